@@ -1,0 +1,37 @@
+"""Shared test set-up. TRITON_INTERPRET must be set before any kernel module is imported (DESIGN §11.7)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC_BENCH = os.path.join(os.path.dirname(REPO_ROOT), "shared", "benchmarks", "spec_bench", "question.jsonl")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def spec_bench_file() -> str:
+    if not os.path.exists(SPEC_BENCH):
+        pytest.skip(f"Spec-Bench file not found at {SPEC_BENCH}")
+    return SPEC_BENCH

@@ -1,0 +1,186 @@
+"""The `vat` command line: a thin argparse layer that dispatches to each subcommand's `main`.
+
+Every subcommand's implementation lives in its own module and is imported only when that subcommand runs,
+so `vat --help` is fast and a broken optional dependency only breaks the command that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from vat.errors import VatError
+
+BENCHMARK_HELP = "Spec-Bench/MT-Bench question file (FastChat jsonl), a known name (spec_bench, mt_bench, humaneval, gsm8k, alpaca) or a datasets hub name"
+
+
+def _dispatch(target: str):
+    """Return a handler that imports ``module:function`` lazily and calls it with the parsed args."""
+
+    def run(args: argparse.Namespace):
+        module_name, func_name = target.split(":")
+        return getattr(importlib.import_module(module_name), func_name)(args)
+
+    return run
+
+
+def _add_prep(sub: argparse._SubParsersAction) -> None:
+    prep = sub.add_parser(
+        "prep",
+        help="prepare data: chats -> token ids + loss masks, regenerate, draft vocab, expert affinity, tiny target",
+        description="Data preparation. Each step writes its outputs and a stats.json; bad rows are skipped and counted.",
+    )
+    steps = prep.add_subparsers(dest="prep_command", metavar="STEP", required=True)
+
+    p = steps.add_parser("chat", help="tokenize chats (ShareGPT / messages / UltraChat) with assistant-only loss masks")
+    p.add_argument("--input", required=True, help="JSON array or JSON Lines file, or a datasets hub name")
+    p.add_argument("--tokenizer", required=True, help="tokenizer path (the target's); its chat template is used")
+    p.add_argument("--output", required=True, help="output directory (datasets save_to_disk + stats.json)")
+    p.add_argument("--format", default="auto", choices=["auto", "sharegpt", "messages"], help="input layout")
+    p.add_argument("--max-length", type=int, default=2048, help="drop conversations longer than this many tokens")
+    p.add_argument("--num-proc", type=int, default=1, help="processes for datasets.map")
+    p.add_argument("--limit", type=int, default=None, help="read at most this many rows")
+    p.set_defaults(func=_dispatch("vat.data_prep.chat:main"))
+
+    p = steps.add_parser("regen", help="regenerate assistant turns with the target (drafts trained on its own outputs)")
+    p.add_argument("--target", required=True, help="target model path")
+    p.add_argument("--input", required=True, help="chat file (JSON array or JSON Lines)")
+    p.add_argument("--output", required=True, help="output .jsonl; appended to, ids already written are skipped")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--limit", type=int, default=None, help="regenerate at most this many conversations")
+    p.set_defaults(func=_dispatch("vat.data_prep.regen:main"))
+
+    p = steps.add_parser("vocab", help="draft vocabulary: the N most frequent loss-masked target tokens (d2t/t2d)")
+    p.add_argument("--data", required=True, help="prepared dataset directory (from `vat prep chat`)")
+    p.add_argument("--size", type=int, default=32000, help="draft vocabulary size")
+    p.add_argument("--output", required=True, help="output .safetensors with d2t and t2d")
+    p.set_defaults(func=_dispatch("vat.data_prep.vocab:main"))
+
+    p = steps.add_parser("affinity", help="token -> expert affinity table from the target's captured routing")
+    p.add_argument("--target", required=True, help="target model path")
+    p.add_argument("--data", required=True, help="prepared dataset directory")
+    p.add_argument("--output", required=True, help="output .safetensors")
+    p.add_argument("--layers", type=int, nargs="*", default=None, help="MoE layer indices (default: all)")
+    p.add_argument("--vocab", default=None, help="draft vocab file: rows are indexed by draft id when given")
+    p.add_argument("--limit", type=int, default=None, help="use at most this many rows")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.set_defaults(func=_dispatch("vat.data_prep.affinity:main"))
+
+    p = steps.add_parser("tiny-target", help="build the embedded tiny MoE target (tokenizer + OLMoE model) on ShareGPT")
+    p.add_argument("--output", default=None, help="output directory (default: $VAT_HOME/tiny-target)")
+    p.add_argument("--quick", action="store_true", help="a much smaller build for tests and smoke runs (< 2 min)")
+    p.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
+    p.set_defaults(func=_dispatch("vat.data_prep.tiny_target:main"))
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="measure a target's expert scattering per verification window and what a budget costs",
+        description="Runs the target over benchmark prompts; writes DIR/profile.json (union per window and layer, "
+        "expert bytes per window, KL of the budgeted next-token distribution to the unbudgeted one).",
+    )
+    p.add_argument("--target", required=True, help="target model path (or `tiny` for the embedded default)")
+    p.add_argument("--benchmark", required=True, help=BENCHMARK_HELP)
+    p.add_argument("--window", type=int, default=8, help="window length W (the verification block, K+1)")
+    p.add_argument("--budget", default=None, help="expert budget B per layer (int, or comma list per MoE layer)")
+    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate"])
+    p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
+    p.add_argument("--max-length", type=int, default=512, help="truncate prompts to this many tokens")
+    p.add_argument("--output", required=True, help="output directory")
+    p.set_defaults(func=_dispatch("vat.profile:main"))
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a draft (EAGLE-3 / DFlash, baseline or VAT) from a YAML recipe",
+        description="vat train RECIPE.yaml [key.sub=value ...]. Overrides use dotted keys, e.g. train.max_steps=20 "
+        "output_dir=runs/x budget.B=8 resume=auto. Unknown keys stop at once with the closest valid key.",
+    )
+    p.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny/eagle3_vat.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides key.sub=value")
+    p.set_defaults(func=_dispatch("vat.trainer:cli_main"))
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="real speculative decoding: acceptance length per benchmark, with and without expert budgets",
+        description="Runs chain / tree / block speculative decoding on the target with a KV cache and writes "
+        "DIR/eval.json, DIR/generations.jsonl, DIR/report.md and PNG plots.",
+    )
+    p.add_argument("--target", default=None, help="target path (default: the one the draft was trained for)")
+    p.add_argument("--draft", action="append", default=None, help="draft dir (vat final/, SGLang or speculators export) or `none`; repeatable")
+    p.add_argument("--benchmark", action="append", default=None, help=BENCHMARK_HELP + "; repeatable")
+    p.add_argument("--steps", type=int, default=7, help="chain length K")
+    p.add_argument("--tree", default=None, help="dynamic tree as top_k,depth,total_tokens (e.g. 8,6,48)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--budget", default="none", help="comma list of budgets, `none` = natural routing: none,8,4")
+    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate"])
+    p.add_argument("--vh-threshold", type=float, default=None, help="stop drafting when the verification head predicts rejection")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", required=True, help="output directory")
+    p.set_defaults(func=_dispatch("vat.eval.run:main"))
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a trained draft for SGLang or vLLM (speculators)",
+        description="Converts a vat checkpoint to an engine's layout; the aux-layer convention is written explicitly.",
+    )
+    p.add_argument("checkpoint", help="vat checkpoint directory (output_dir/final or checkpoints/step_N)")
+    p.add_argument("--format", required=True, choices=["sglang", "speculators", "dflash"])
+    p.add_argument("--output", required=True, help="output directory")
+    p.set_defaults(func=_dispatch("vat.export.cli:main"))
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the whole pipeline on the embedded tiny MoE target: build, prep, train EAGLE-3 vs VAT, eval, report",
+        description="Builds (or reuses) the tiny target, prepares ShareGPT data, trains the baseline and VAT drafts, "
+        "evaluates them on Spec-Bench and HumanEval with and without expert budgets, and writes DIR/report.md.",
+    )
+    p.add_argument("--quick", action="store_true", help="a smaller run (< 3 min on 2 CPU cores), still real")
+    p.add_argument("--output", default="outputs/demo", help="output directory")
+    p.set_defaults(func=_dispatch("vat.demo:main"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full `vat` argument parser (also used to generate the README's CLI reference)."""
+    parser = argparse.ArgumentParser(
+        prog="vat",
+        description="Verification-aware training of speculative-decoding drafts for MoE targets.",
+    )
+    parser.add_argument("--version", action="version", version="vat " + __import__("vat").__version__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (_add_prep, _add_profile, _add_train, _add_eval, _add_export, _add_demo):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `vat` console script and `python -m vat`."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except VatError as err:
+        print(f"vat: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("vat: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
