@@ -1,0 +1,272 @@
+"""The frozen target: routing capture, aux features, and expert budgeting against brute-force references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_model
+
+from vat.errors import VatError
+from vat.target import (
+    BudgetSpec,
+    default_aux_layer_ids,
+    from_vllm_layer_ids,
+    load_target,
+    to_sglang_capture_slots,
+    to_vllm_layer_ids,
+    window_union,
+)
+from vat.target.accounting import contiguous_windows
+
+SEQ = 12
+
+
+def _router_io(target):
+    """Record, for every MoE router, its input and the (possibly budgeted) output the experts received."""
+    records: dict[int, dict] = {}
+    handles = []
+    for ordinal, (_, router, _) in enumerate(target.routing.moe_layers):
+        def pre(module, args, ordinal=ordinal):
+            records.setdefault(ordinal, {})["input"] = args[0].detach().clone()
+
+        def post(module, args, output, ordinal=ordinal):
+            records[ordinal]["output"] = tuple(o.detach().clone() for o in output)
+
+        handles.append(router.register_forward_pre_hook(pre))
+        handles.append(router.register_forward_hook(post))  # registered after vat's hook: sees its result
+    return records, handles
+
+
+@pytest.fixture(params=FAMILIES)
+def family_target(request):
+    model = tiny_model(request.param)
+    target = load_target(model, device="cpu")
+    yield request.param, model, target
+    target.close()
+
+
+def test_capture_equals_each_models_own_routing(family_target):
+    family, _, target = family_target
+    ids = torch.randint(3, 128, (2, SEQ))
+    records, handles = _router_io(target)
+    out = target.forward(ids)
+    for h in handles:
+        h.remove()
+    assert out.topk_ids.shape == (len(target.moe_layer_ids), 2, SEQ, target.top_k)
+    for ordinal, (_, router, _) in enumerate(target.routing.moe_layers):
+        # the router's own forward, outside any vat context, on the same input
+        _, _, own_ids = router(records[ordinal]["input"])
+        assert torch.equal(out.topk_ids[ordinal].reshape(-1, target.top_k), own_ids), family
+
+
+def test_aux_hidden_states_are_layer_outputs(family_target):
+    _, model, target = family_target
+    ids = torch.randint(3, 128, (1, SEQ))
+    outputs = {}
+    layers = model.model.layers
+    hooks = [layers[i].register_forward_hook(lambda m, a, o, i=i: outputs.__setitem__(i, o[0] if isinstance(o, tuple) else o))
+             for i in set(target.aux_layer_ids)]
+    out = target.forward(ids)
+    for h in hooks:
+        h.remove()
+    hidden = target.hidden_size
+    for slot, layer in enumerate(target.aux_layer_ids):
+        assert torch.equal(out.aux_hidden[..., slot * hidden:(slot + 1) * hidden], outputs[layer])
+    assert out.final_hidden.shape == (1, SEQ, hidden)
+
+
+def test_budget_at_least_union_is_bit_identical(family_target):
+    family, model, target = family_target
+    ids = torch.randint(3, 128, (2, SEQ))
+    natural = target.forward(ids)
+    for window in (1, 4, 8):
+        groups, n = contiguous_windows(torch.ones(2, SEQ, dtype=torch.bool), window)
+        max_union = int(window_union(natural.topk_ids, groups, n, target.num_experts).max())
+        for policy in ("substitute", "truncate"):
+            budgeted = target.forward(ids, budget=BudgetSpec(B=max_union, window=window, policy=policy))
+            assert torch.equal(budgeted.logits, natural.logits), (family, window, policy)
+            assert torch.equal(budgeted.topk_ids, natural.topk_ids)
+
+
+# ---- brute-force reference of budgeting, one token at a time --------------------------------------------------
+
+def _scores(family, logits_row):
+    if family == "deepseek_v3":
+        return [1 / (1 + math.exp(-x)) for x in logits_row]
+    m = max(logits_row)
+    ex = [math.exp(x - m) for x in logits_row]
+    return [e / sum(ex) for e in ex]
+
+
+def _reference_select(family, router, logits_row, allowed):
+    """The family's rule for one token, by hand: returns {expert: weight} (sentinel slots omitted)."""
+    k, num_experts = router.top_k, router.num_experts
+    if family == "gpt_oss":
+        chosen = sorted(allowed, key=lambda e: -logits_row[e])[:k]
+        m = max(logits_row[e] for e in chosen)
+        ex = {e: math.exp(logits_row[e] - m) for e in chosen}
+        return {e: v / sum(ex.values()) for e, v in ex.items()}
+    if family == "deepseek_v3":
+        scores = _scores(family, logits_row)
+        bias = router.e_score_correction_bias.tolist()
+        choice = [scores[e] + bias[e] if e in allowed else -1e4 for e in range(num_experts)]
+        size = num_experts // router.num_group
+        group_score = [sum(sorted(choice[g * size:(g + 1) * size])[-2:]) for g in range(router.num_group)]
+        groups = sorted(range(router.num_group), key=lambda g: -group_score[g])[:router.topk_group]
+        cands = [e for e in allowed if e // size in groups]
+        chosen = sorted(cands, key=lambda e: -choice[e])[:k]
+        w = {e: scores[e] for e in chosen}
+        if router.norm_topk_prob:
+            total = sum(w.values()) + 1e-20
+            w = {e: v / total for e, v in w.items()}
+        return {e: v * router.routed_scaling_factor for e, v in w.items()}
+    probs = _scores(family, logits_row)
+    chosen = sorted(allowed, key=lambda e: -probs[e])[:k]
+    w = {e: probs[e] for e in chosen}
+    if family == "mixtral" or getattr(router, "norm_topk_prob", False):
+        total = sum(w.values())
+        w = {e: v / total for e, v in w.items()}
+    return w
+
+
+def _reference_budget(family, router, logits, natural_w, natural_ids, groups, budget, policy):
+    """Per-window budget set and per-token rerouting, with Python loops."""
+    n_tokens = logits.shape[0]
+    logits_l, nat_ids, nat_w = logits.tolist(), natural_ids.tolist(), natural_w.tolist()
+    result = []
+    windows = {}
+    for t in range(n_tokens):
+        windows.setdefault(groups[t], []).append(t)
+    allowed_of = {}
+    for g, tokens in windows.items():
+        union = {e for t in tokens for e in nat_ids[t]}
+        if len(union) <= budget:
+            allowed_of[g] = union
+            continue
+        mass = [0.0] * router.num_experts
+        for t in tokens:
+            for e, s in enumerate(_scores(family, logits_l[t])):
+                mass[e] += s
+        allowed_of[g] = set(sorted(range(router.num_experts), key=lambda e: -mass[e])[:budget])
+    for t in range(n_tokens):
+        allowed = allowed_of[groups[t]]
+        natural = dict(zip(nat_ids[t], nat_w[t]))
+        if set(natural) <= allowed:
+            result.append(natural)
+        elif policy == "substitute":
+            result.append(_reference_select(family, router, logits_l[t], allowed))
+        else:
+            kept = {e: w for e, w in natural.items() if e in allowed}
+            scale = sum(natural.values()) / sum(kept.values()) if kept else 0.0
+            result.append({e: w * scale for e, w in kept.items()})
+    return result
+
+
+@pytest.mark.parametrize("policy", ["substitute", "truncate"])
+def test_budget_below_union_matches_brute_force(family_target, policy):
+    family, _, target = family_target
+    ids = torch.randint(3, 128, (2, SEQ))
+    budget, window = 2 if target.top_k <= 2 else target.top_k, 4
+    records, handles = _router_io(target)
+    out = target.forward(ids, budget=BudgetSpec(B=budget, window=window, policy=policy))
+    for h in handles:
+        h.remove()
+    unions = window_union(out.topk_ids, out.window_groups, out.n_windows, target.num_experts)
+    assert int(unions.max()) <= budget
+    natural = target.forward(ids)
+    groups_nat, n_nat = contiguous_windows(torch.ones(2, SEQ, dtype=torch.bool), window)
+    assert int(window_union(natural.topk_ids, groups_nat, n_nat, target.num_experts).max()) > budget  # really cut
+    groups = out.window_groups.reshape(-1).tolist()
+    for ordinal, (_, router, _) in enumerate(target.routing.moe_layers):
+        logits, nat_w, nat_ids = router(records[ordinal]["input"])  # natural routing of the budgeted run's input
+        expected = _reference_budget(family, router, logits, nat_w, nat_ids, groups, budget, policy)
+        _, got_w, got_ids = records[ordinal]["output"]
+        for t, want in enumerate(expected):
+            got = {e: w for e, w in zip(got_ids[t].tolist(), got_w[t].tolist()) if e != target.num_experts}
+            assert set(got) == set(want), (family, policy, ordinal, t)
+            for e in want:
+                assert got[e] == pytest.approx(want[e], rel=1e-5, abs=1e-6), (family, policy, ordinal, t)
+
+
+def test_deepseek_budget_keeps_group_limit():
+    target = load_target(tiny_model("deepseek_v3"), device="cpu")
+    records, handles = _router_io(target)
+    target.forward(torch.randint(3, 128, (2, SEQ)), budget=BudgetSpec(B=3, window=4))
+    for h in handles:
+        h.remove()
+    for ordinal, (_, router, _) in enumerate(target.routing.moe_layers):
+        _, _, ids = records[ordinal]["output"]
+        size = router.num_experts // router.num_group
+        for row in ids.tolist():
+            groups = {e // size for e in row if e != router.num_experts}
+            assert len(groups) <= router.topk_group
+
+
+def test_batch_scope_shares_one_budget_across_rows():
+    target = load_target(tiny_model("olmoe"), device="cpu")
+    ids = torch.randint(3, 128, (3, 8))
+    out = target.forward(ids, budget=BudgetSpec(B=3, scope="batch"))
+    assert out.n_windows == 1
+    experts = {e for e in out.topk_ids[0].reshape(-1).tolist() if e != target.num_experts}
+    assert len(experts) <= 3
+
+
+def test_per_layer_budgets_and_prefill_unbudgeted():
+    target = load_target(tiny_model("qwen3_moe"), device="cpu")
+    ids = torch.randint(3, 128, (1, 16))
+    natural = target.forward(ids)
+    spec = BudgetSpec(B={0: 2}, window=4, start_position=8)  # only layer 0, only positions >= 8
+    out = target.forward(ids, budget=spec)
+    assert torch.equal(out.topk_ids[0, :, :8], natural.topk_ids[0, :, :8])  # prefill untouched in layer 0
+    # (experts batch different token sets, so the prefill logits agree to float rounding, not bit for bit)
+    assert torch.allclose(out.logits[:, :8], natural.logits[:, :8], atol=1e-6)
+    assert not torch.equal(out.topk_ids[0, :, 8:], natural.topk_ids[0, :, 8:])
+    unions = window_union(out.topk_ids[:1], out.window_groups, out.n_windows, target.num_experts)
+    assert int(unions.max()) <= 2
+
+
+def test_padding_is_never_budgeted_or_counted():
+    target = load_target(tiny_model("olmoe"), device="cpu")
+    ids = torch.randint(3, 128, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    out = target.forward(ids, attention_mask=mask, budget=BudgetSpec(B=2, window=4))
+    assert (out.window_groups[1, :3] == -1).all()
+
+
+def test_aux_layer_conventions():
+    assert default_aux_layer_ids(32) == [1, 15, 28]
+    assert to_vllm_layer_ids([1, 15, 28]) == [2, 16, 29]
+    assert to_sglang_capture_slots([1, 15, 28]) == [2, 16, 29]
+    assert from_vllm_layer_ids(to_vllm_layer_ids([1, 15, 28])) == [1, 15, 28]
+
+
+def test_expert_bytes_from_shapes_and_dtype():
+    model = tiny_model("olmoe").to(torch.bfloat16)
+    target = load_target(model, device="cpu", dtype="bfloat16")
+    cfg = model.config
+    per_expert = 3 * cfg.hidden_size * cfg.intermediate_size * 2  # gate, up, down; 2 bytes
+    assert target.expert_bytes_per_layer() == [per_expert] * cfg.num_hidden_layers
+
+
+def test_bad_inputs_fail_with_one_clear_line(tmp_path):
+    with pytest.raises(VatError, match="target not found"):
+        load_target(str(tmp_path / "nope" / "model"))
+    with pytest.raises(VatError, match="unknown budget policy"):
+        BudgetSpec(B=2, policy="drop")
+    with pytest.raises(VatError, match="aux layer id 7 out of range"):
+        load_target(tiny_model("olmoe"), device="cpu", aux_layer_ids=[0, 1, 7])
+    with pytest.raises(VatError, match="unknown experts implementation"):
+        load_target(tiny_model("olmoe"), device="cpu", experts_impl="fast")
+
+
+def test_load_from_pretrained_directory(tmp_path):
+    model = tiny_model("mixtral")
+    model.save_pretrained(tmp_path / "mixtral")
+    target = load_target(str(tmp_path / "mixtral"), device="cpu", dtype="float32")
+    ids = torch.randint(3, 128, (1, 6))
+    ref = load_target(model, device="cpu")
+    assert torch.allclose(target.forward(ids).logits, ref.forward(ids).logits, atol=1e-6)
+    assert target.path == str(tmp_path / "mixtral")

@@ -1,0 +1,181 @@
+"""Family adapters: where each MoE family keeps its router and experts, and its own routing rule.
+
+Every touch point with a model family's internals lives here (DESIGN §11.9). An adapter answers three questions:
+
+* which modules are the MoE blocks, routers and experts of a model;
+* ``scores``: the per-expert scores the budget selection sums over a window (softmax probabilities, or the
+  model's own sigmoid scores for DeepSeek-V3);
+* ``select``: the model's own top-k selection rule, optionally with some experts excluded from the *ranking*
+  (``allowed``), returning ``(topk_weights, topk_ids)`` exactly as the model's router would.
+
+Slots that cannot be filled because fewer than ``top_k`` experts are allowed get the sentinel id ``num_experts``
+and weight 0; transformers' experts implementations skip that id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vat.errors import VatError
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    """Routing rule and module layout of one MoE family.
+
+    Attributes:
+        name: family name (the HF ``model_type`` it serves).
+        router_attr: attribute of the MoE block holding the router (``gate`` or ``router``).
+        rule: routing rule: ``softmax_topk`` (OLMoE, Qwen2/3-MoE; renormalised iff ``norm_topk_prob``),
+            ``softmax_topk_renorm`` (Mixtral: always renormalised, fp32 weights), ``topk_softmax`` (GPT-OSS:
+            top-k on logits, softmax over the chosen), ``sigmoid_group`` (DeepSeek-V3: sigmoid + correction bias,
+            group-limited top-k, weights from the unbiased scores, optional renorm, routed scaling).
+    """
+
+    name: str
+    router_attr: str
+    rule: str
+
+    # ---- module layout -------------------------------------------------------------------------------------
+    def moe_blocks(self, model: nn.Module) -> list[tuple[int, nn.Module]]:
+        """(decoder layer index, MoE block) for every MoE layer of ``model``, in layer order."""
+        blocks = []
+        for idx, layer in enumerate(decoder_layers(model)):
+            block = getattr(layer, "mlp", None)
+            if block is not None and hasattr(block, "experts") and hasattr(block, self.router_attr):
+                blocks.append((idx, block))
+        return blocks
+
+    def router(self, block: nn.Module) -> nn.Module:
+        return getattr(block, self.router_attr)
+
+    # ---- routing rule --------------------------------------------------------------------------------------
+    def scores(self, router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+        """Per-expert routing scores in fp32, summed over a window to pick the budget set.
+
+        Args:
+            router: the router module (for its attributes).
+            logits: (N, E) router logits as the router returned them.
+
+        Returns:
+            (N, E) fp32: softmax probabilities, or the sigmoid scores for DeepSeek-V3.
+        """
+        if self.rule == "sigmoid_group":
+            return logits.float().sigmoid()
+        return torch.softmax(logits.float(), dim=-1)
+
+    def select(
+        self, router: nn.Module, logits: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the model's own top-k rule with the experts outside ``allowed`` excluded from the ranking.
+
+        Args:
+            router: the router module (``top_k``, ``num_experts`` and the family's flags).
+            logits: (N, E) router logits.
+            allowed: (N, E) bool, or None for the natural routing.
+
+        Returns:
+            ``(topk_weights (N, k), topk_ids (N, k) int64)``. Weights come from the model's *unmasked* scores of
+            the chosen experts, normalised and scaled as the model does. A slot left without an allowed expert
+            holds the sentinel ``num_experts`` with weight 0.
+        """
+        k, num_experts = router.top_k, router.num_experts
+        if self.rule == "sigmoid_group":
+            return _select_sigmoid_group(router, logits, allowed)
+        if self.rule == "topk_softmax":  # GPT-OSS: rank raw logits, softmax over the chosen
+            rank = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+            _, ids = torch.topk(rank, k, dim=-1)  # (N, k)
+            ok = _slot_ok(allowed, ids)
+            chosen = logits.gather(1, ids).masked_fill(~ok, float("-inf"))
+            weights = torch.softmax(chosen, dim=1, dtype=chosen.dtype)
+            return _with_sentinel(weights, ids, ok, num_experts)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # (N, E)
+        rank = probs if allowed is None else probs.masked_fill(~allowed, -1.0)
+        _, ids = torch.topk(rank, k, dim=-1)  # (N, k)
+        ok = _slot_ok(allowed, ids)
+        weights = probs.gather(1, ids) * ok  # (N, k) fp32
+        if self.rule == "softmax_topk_renorm" or getattr(router, "norm_topk_prob", False):
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+        if self.rule == "softmax_topk":  # OLMoE / Qwen cast back to the logits dtype; Mixtral keeps fp32
+            weights = weights.to(logits.dtype)
+        return _with_sentinel(weights, ids, ok, num_experts)
+
+
+def _slot_ok(allowed: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    if allowed is None:
+        return torch.ones_like(ids, dtype=torch.bool)
+    return allowed.gather(1, ids)  # (N, k)
+
+
+def _with_sentinel(weights, ids, ok, num_experts):
+    ids = torch.where(ok, ids, torch.full_like(ids, num_experts))
+    return weights.masked_fill(~ok, 0.0), ids
+
+
+def _select_sigmoid_group(router, logits, allowed):
+    """DeepSeek-V3's rule (sigmoid, correction bias, group top-2 sums, ``topk_group`` groups, top-k)."""
+    k, num_experts = router.top_k, router.num_experts
+    n_group, topk_group = router.num_group, router.topk_group
+    scores = logits.float().sigmoid()  # (N, E)
+    choice = scores + router.e_score_correction_bias
+    if allowed is not None:
+        # excluded experts rank below every allowed one but stay finite, so group sums stay ordered:
+        # groups with more allowed experts win, and -inf never meets +x (no NaN)
+        choice = choice.masked_fill(~allowed, -1e4)
+    group_scores = choice.view(-1, n_group, num_experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]  # (N, k)
+    ok = _slot_ok(allowed, ids)
+    weights = scores.gather(1, ids) * ok
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * router.routed_scaling_factor
+    return _with_sentinel(weights, ids, ok, num_experts)
+
+
+ADAPTERS: dict[str, FamilyAdapter] = {
+    "olmoe": FamilyAdapter("olmoe", "gate", "softmax_topk"),
+    "qwen3_moe": FamilyAdapter("qwen3_moe", "gate", "softmax_topk"),
+    "qwen2_moe": FamilyAdapter("qwen2_moe", "gate", "softmax_topk"),
+    "mixtral": FamilyAdapter("mixtral", "gate", "softmax_topk_renorm"),
+    "deepseek_v3": FamilyAdapter("deepseek_v3", "gate", "sigmoid_group"),
+    "gpt_oss": FamilyAdapter("gpt_oss", "router", "topk_softmax"),
+}
+
+
+def adapter_for(config) -> FamilyAdapter:
+    """The adapter of a model config; one clear error for an unsupported family."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise VatError(
+            f"unsupported target family `{model_type}`: vat supports {', '.join(sorted(ADAPTERS))} (MoE causal LMs)"
+        )
+    return ADAPTERS[model_type]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM (``model.model.layers``)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise VatError(f"cannot find decoder layers in {type(model).__name__} (expected model.model.layers)")
+    return layers
+
+
+def experts_of(block: nn.Module) -> nn.Module:
+    return block.experts
+
+
+def expert_bytes(experts: nn.Module) -> int:
+    """Bytes of ONE expert's weights (gate_up + down, biases included), from the fused 3-D parameters."""
+    total = 0
+    for name, param in experts.named_parameters(recurse=False):
+        if param.dim() >= 2 or name.endswith("bias"):
+            total += (param.numel() // param.shape[0]) * param.element_size()
+    return total

@@ -1,0 +1,318 @@
+"""The frozen MoE target: load any supported transformers-5 MoE causal LM and run captured, budgeted forwards.
+
+One forward gives the logits, the hidden states after the requested aux layers (vat's convention: 0-indexed
+layer *outputs*), the final hidden state, and the executed top-k expert ids of every MoE layer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vat.errors import VatError
+from vat.target.budget import BudgetSpec, window_groups
+from vat.target.families import FamilyAdapter, adapter_for, decoder_layers, expert_bytes
+from vat.target.routing import RoutingController
+
+EXPERTS_IMPLS = ("eager", "grouped_mm", "batched_mm", "triton")
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default low/mid/high layers as 0-indexed layer outputs: ``[1, L//2 - 1, L - 4]``.
+
+    Tiny targets can make these collide or go negative; they are clamped into range (duplicates are allowed:
+    the draft's fc still sees three slots).
+    """
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    return [min(max(i, 0), num_layers - 1) for i in ids]
+
+
+def to_sglang_layer_ids(aux_layer_ids: list[int]) -> list[int]:
+    """vat ids (0-indexed layer outputs) -> the ids SGLang's draft config takes
+    (``eagle_config.eagle_aux_hidden_state_layer_ids``). SGLang's config ids are layer-output ids too; SGLang adds
+    +1 internally to get its capture slot (the input of layer id+1), so the numbers are unchanged."""
+    return list(aux_layer_ids)
+
+
+def to_sglang_capture_slots(aux_layer_ids: list[int]) -> list[int]:
+    """vat ids -> SGLang's internal capture slots (hidden state at the *input* of layer id+1): +1."""
+    return [i + 1 for i in aux_layer_ids]
+
+
+def to_vllm_layer_ids(aux_layer_ids: list[int]) -> list[int]:
+    """vat ids -> vLLM/speculators ids, which name the layer whose *input* is captured: +1."""
+    return [i + 1 for i in aux_layer_ids]
+
+
+def from_vllm_layer_ids(ids: list[int]) -> list[int]:
+    """vLLM/speculators ids -> vat ids (0-indexed layer outputs): -1."""
+    return [i - 1 for i in ids]
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward returns.
+
+    Attributes:
+        logits: (B, T, V) next-token logits.
+        aux_hidden: (B, T, n_aux * H) hidden states after the aux layers, concatenated in ``aux_layer_ids`` order.
+        final_hidden: (B, T, H) the last hidden state after the final norm (what the LM head reads).
+        topk_ids: (L', B, T, k) executed expert ids per MoE layer; ``num_experts`` marks a dropped slot.
+        window_groups: (B, T) budget-window id per token (-1 = unbudgeted), when a budget was applied.
+        past_key_values: the KV cache when ``use_cache``.
+    """
+
+    logits: torch.Tensor
+    aux_hidden: torch.Tensor | None
+    final_hidden: torch.Tensor | None
+    topk_ids: torch.Tensor | None
+    window_groups: torch.Tensor | None = None
+    n_windows: int = 0
+    past_key_values: Any = None
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise VatError(f"unknown dtype `{dtype}`: one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+class FrozenTarget(nn.Module):
+    """A frozen MoE causal LM with routing capture and expert budgeting.
+
+    Args:
+        model: a transformers MoE causal LM (put in eval mode, gradients off).
+        aux_layer_ids: 0-indexed layer outputs to capture; None = EAGLE-3 default ``[1, L//2-1, L-4]``.
+        path: where it was loaded from (recorded in draft configs).
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None, path: str | None = None):
+        super().__init__()
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        self.config = model.config
+        self.path = path
+        self.adapter: FamilyAdapter = adapter_for(self.config)
+        self.num_layers = len(decoder_layers(model))
+        self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(self.num_layers)
+        for i in self.aux_layer_ids:
+            if not 0 <= i < self.num_layers:
+                raise VatError(f"aux layer id {i} out of range for a target with {self.num_layers} layers")
+        self.routing = RoutingController(model, self.adapter)
+        if not self.routing.moe_layers:
+            raise VatError(f"{type(model).__name__} has no MoE layers that vat recognises")
+        first_router = self.routing.moe_layers[0][1]
+        self.num_experts: int = int(first_router.num_experts)
+        self.top_k: int = int(first_router.top_k)
+        self.moe_layer_ids: list[int] = [layer for layer, _, _ in self.routing.moe_layers]
+
+    # ---- shapes and facts ------------------------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def expert_bytes_per_layer(self) -> list[int]:
+        """Bytes of one expert's weights in each MoE layer (from the weights' shapes and dtype)."""
+        return [expert_bytes(experts) for _, _, experts in self.routing.moe_layers]
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        budget: BudgetSpec | None = None,
+        capture_routing: bool = True,
+        output_aux: bool = True,
+        logits_to_keep: int = 0,
+    ) -> TargetOutput:
+        """Run the target once.
+
+        Args:
+            input_ids: (B, T) token ids.
+            attention_mask: (B, T_past + T) 0/1 mask, or a 4-D additive mask (tree verification), or None.
+            position_ids: (B, T) absolute positions; default ``past_length + arange(T)``. Budget windows follow them.
+            token_mask: (B, T) bool of real tokens for budget windows; default from a 2-D attention mask.
+            past_key_values: a transformers cache to extend.
+            use_cache: return the cache.
+            budget: expert budget for this forward (None = natural routing).
+            capture_routing: record the executed top-k ids of every MoE layer.
+            output_aux: return the aux-layer and final hidden states.
+            logits_to_keep: keep only the last N positions' logits (0 = all).
+
+        Returns:
+            A :class:`TargetOutput`.
+        """
+        batch, length = input_ids.shape
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + length, device=input_ids.device).expand(batch, -1)
+        if token_mask is None:
+            if attention_mask is not None and attention_mask.dim() == 2:
+                token_mask = attention_mask[:, -length:].bool()
+            else:
+                token_mask = torch.ones(batch, length, dtype=torch.bool, device=input_ids.device)
+        groups, n_groups = None, 0
+        if budget is not None:
+            groups, n_groups = window_groups(position_ids, token_mask, budget)
+        kwargs: dict[str, Any] = dict(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=use_cache, logits_to_keep=logits_to_keep,
+        )
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
+        captured: dict[str, torch.Tensor] = {}
+        hooks = self._feature_hooks(captured) if output_aux else []
+        try:
+            with self.routing.forward_context(
+                groups.reshape(-1) if groups is not None else None, n_groups, budget, capture_routing
+            ) as ctx:
+                out = self.model(**kwargs)
+        finally:
+            for handle in hooks:
+                handle.remove()
+        aux = final = None
+        if output_aux:
+            aux = torch.cat([captured[f"layer{i}"] for i in self.aux_layer_ids], dim=-1)  # (B, T, n_aux * H)
+            final = captured["final"]
+        topk_ids = self.routing.stacked(ctx, batch, length) if capture_routing else None
+        return TargetOutput(
+            logits=out.logits, aux_hidden=aux, final_hidden=final, topk_ids=topk_ids, window_groups=groups,
+            n_windows=n_groups, past_key_values=out.past_key_values if use_cache else None,
+        )
+
+    def _feature_hooks(self, captured: dict[str, torch.Tensor]) -> list:
+        """Hooks recording the output of each aux layer (pre-norm, even for the last layer) and of the final norm."""
+
+        def keep(name):
+            def hook(module, args, output):
+                captured[name] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        layers = decoder_layers(self.model)
+        handles = [layers[i].register_forward_hook(keep(f"layer{i}")) for i in sorted(set(self.aux_layer_ids))]
+        norm = getattr(getattr(self.model, "model", self.model), "norm", None)
+        if norm is not None:
+            handles.append(norm.register_forward_hook(keep("final")))
+        return handles
+
+    def close(self) -> None:
+        """Remove the router hooks (the model returns to its plain behaviour)."""
+        self.routing.close()
+
+
+def load_target(
+    path_or_model: str | nn.Module | Any,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    experts_impl: str = "eager",
+    aux_layer_ids: list[int] | None = None,
+    device_map: str | None = None,
+) -> FrozenTarget:
+    """Load a frozen MoE target.
+
+    Args:
+        path_or_model: a local directory or hub name for ``from_pretrained``; ``tiny`` / ``tiny-quick`` for the
+            embedded default (built on first use); a ``PretrainedConfig`` (random weights, for tests); or an
+            already-loaded model.
+        dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``float32``, ``bfloat16`` or ``float16``.
+        device: where to put it (default: CUDA if available, else CPU). Ignored with ``device_map``.
+        experts_impl: ``eager`` | ``grouped_mm`` | ``batched_mm`` | ``triton`` (vat's budget-aware kernel).
+        aux_layer_ids: 0-indexed layer outputs to capture (default EAGLE-3's).
+        device_map: e.g. ``auto`` to shard a large target across the GPUs of a node.
+
+    Returns:
+        A :class:`FrozenTarget`.
+    """
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    if experts_impl not in EXPERTS_IMPLS:
+        raise VatError(f"unknown experts implementation `{experts_impl}`: one of {', '.join(EXPERTS_IMPLS)}")
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = _resolve_dtype(dtype, device)
+    path = None
+    if isinstance(path_or_model, nn.Module):
+        model = path_or_model
+    elif isinstance(path_or_model, PretrainedConfig):
+        model = AutoModelForCausalLM.from_config(path_or_model, dtype=torch_dtype)
+    else:
+        path = resolve_target_path(str(path_or_model))
+        if os.path.sep in path and not os.path.exists(path):
+            raise VatError(f"target not found: {path}")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, device_map=device_map, local_files_only=os.path.isdir(path) or None
+            )
+        except OSError as err:
+            raise VatError(f"cannot load target `{path}`: {str(err).splitlines()[0]}") from None
+    if device_map is None and not isinstance(path_or_model, nn.Module):
+        model = model.to(device)
+    set_experts_implementation(model, experts_impl)
+    return FrozenTarget(model, aux_layer_ids=aux_layer_ids, path=path)
+
+
+def set_experts_implementation(model: nn.Module, experts_impl: str) -> None:
+    """Switch the experts forward of every MoE layer through transformers' ``ExpertsInterface``."""
+    name = experts_impl
+    if experts_impl == "triton":
+        from vat.kernels import register_triton_experts
+
+        name = register_triton_experts()
+        adapter_for(model.config)  # refuse unsupported families before touching the model
+        if model.config.model_type == "gpt_oss":
+            raise VatError("experts_impl triton does not support GPT-OSS's transposed, biased experts; use eager")
+    if name == "eager" and model.config.model_type == "gpt_oss":
+        # GPT-OSS's eager experts forward cannot skip a dropped slot (its one-hot has no sentinel class);
+        # its grouped_mm path can, and it is exact on CPU too
+        name = "grouped_mm"
+    model.set_experts_implementation(name)
+    if name in ("grouped_mm", "batched_mm"):
+        # budgeted truncation marks dropped slots with the sentinel id num_experts; transformers' batched paths
+        # only mask sentinels when they believe they run expert-parallel
+        for module in model.modules():
+            if hasattr(module, "_is_expert_parallel"):
+                module._is_expert_parallel = True
+
+
+def resolve_target_path(path: str) -> str:
+    """``tiny``/``tiny-quick`` -> the embedded default's directory (built on first use); other paths unchanged."""
+    if path in ("tiny", "tiny-quick"):
+        from vat.paths import resolve_target_path as resolve
+
+        return resolve(path)
+    return path
