@@ -1,0 +1,399 @@
+"""`vat prep chat`: chats (ShareGPT / OpenAI messages / UltraChat) -> ``input_ids`` + assistant-only ``loss_mask``.
+
+Pipeline: stream raw rows (:func:`vat.data_prep.readers.iter_records`, or ``datasets.load_dataset`` for a hub name)
+-> normalise each row to ``[{"role", "content"}]`` in the main process (bad rows are counted by reason, never
+raised) -> ``Dataset.from_generator`` -> ``.map(num_proc=N)`` renders with the tokenizer's chat template and builds
+the mask (:mod:`vat.data_prep.templates`) -> over-length rows dropped -> ``save_to_disk(DIR)`` + ``DIR/stats.json``.
+
+Output columns: ``input_ids`` (list[int32]), ``loss_mask`` (list[int8]: 1 on assistant content tokens and the
+assistant end-of-turn token), ``length`` (int32), ``id`` (str). ``stats.json`` satisfies
+``rows_read == rows_kept + sum(skipped.values())``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+
+from vat.data_prep.readers import ReadStats, iter_records
+
+from vat.errors import VatError, require_file
+
+logger = logging.getLogger(__name__)
+
+SKIP_REASONS = (
+    "malformed_json",
+    "unknown_format",
+    "unknown_role",
+    "non_string_content",
+    "empty_turn",
+    "no_assistant_turn",
+    "template_error",
+    "empty_loss_mask",
+    "over_length",
+)
+
+USER_ROLES = {"human", "user"}
+ASSISTANT_ROLES = {"gpt", "chatgpt", "bard", "bing", "assistant", "model", "claude"}
+SYSTEM_ROLES = {"system"}
+
+
+def _role(name) -> str | None:
+    if not isinstance(name, str):
+        return None
+    name = name.strip().lower()
+    if name in USER_ROLES:
+        return "user"
+    if name in ASSISTANT_ROLES:
+        return "assistant"
+    if name in SYSTEM_ROLES:
+        return "system"
+    return None
+
+
+def _content(value):
+    """Message content as a string, or ``None``. OpenAI content parts are accepted when all of them are text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        texts = [p.get("text") for p in value]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    return None
+
+
+def detect_layout(record: dict, fmt: str = "auto") -> str | None:
+    """``"sharegpt"`` (``conversations``), ``"messages"`` (``messages``), ``"ultrachat"`` (``data`` strings) or None."""
+    if fmt in ("auto", "sharegpt") and isinstance(record.get("conversations"), list):
+        return "sharegpt"
+    if fmt in ("auto", "messages") and isinstance(record.get("messages"), list):
+        return "messages"
+    if fmt == "auto" and isinstance(record.get("data"), list):
+        return "ultrachat"
+    return None
+
+
+def normalize_record(record: dict, fmt: str = "auto") -> tuple[list[dict] | None, str | None, dict]:
+    """Turn one raw row into ``[{"role": system|user|assistant, "content": str}]``.
+
+    Leading assistant turns (ShareGPT rows that start mid-conversation) and trailing non-assistant turns (no loss
+    on them) are dropped and counted in the returned info; anything else wrong rejects the whole row.
+
+    Args:
+        record: a raw row in ShareGPT, OpenAI ``messages`` or UltraChat layout.
+        fmt: ``"auto"``, ``"sharegpt"`` or ``"messages"``.
+
+    Returns:
+        ``(messages, None, info)`` for a usable row, ``(None, reason, info)`` otherwise, with ``reason`` one of
+        :data:`SKIP_REASONS` and ``info`` counts of dropped leading/trailing turns.
+    """
+    info = {"dropped_leading_turns": 0, "dropped_trailing_turns": 0}
+    layout = detect_layout(record, fmt)
+    if layout is None:
+        return None, "unknown_format", info
+    messages: list[dict] = []
+    if layout == "ultrachat":
+        for i, value in enumerate(record["data"]):
+            content = _content(value)
+            if content is None:
+                return None, "non_string_content", info
+            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+    else:
+        role_key, content_key = ("from", "value") if layout == "sharegpt" else ("role", "content")
+        for turn in record["conversations" if layout == "sharegpt" else "messages"]:
+            if not isinstance(turn, dict):
+                return None, "unknown_format", info
+            role = _role(turn.get(role_key))
+            if role is None:
+                return None, "unknown_role", info
+            content = _content(turn.get(content_key))
+            if content is None:
+                return None, "non_string_content", info
+            messages.append({"role": role, "content": content})
+    if any(not m["content"].strip() for m in messages):
+        return None, "empty_turn", info
+    # Drop leading assistant turns after the optional system prompt: the first turn the model answers is a user's.
+    head = 1 if messages and messages[0]["role"] == "system" else 0
+    while len(messages) > head and messages[head]["role"] == "assistant":
+        messages.pop(head)
+        info["dropped_leading_turns"] += 1
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+        info["dropped_trailing_turns"] += 1
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, "no_assistant_turn", info
+    return messages, None, info
+
+
+def load_hub_rows(name: str, split: str = "train", **load_kwargs):
+    """A ``datasets`` dataset to iterate over (hub name, or a builder such as ``"json"`` with ``data_files=``).
+
+    Raises:
+        VatError: the dataset cannot be loaded (e.g. offline and not cached).
+    """
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split, **load_kwargs)
+    except Exception as err:  # offline, unknown name, bad split: one clear line (DESIGN §10)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise VatError(f"could not load dataset {name!r} (split {split!r}): {first}") from None
+
+
+def _tokenize_batch(batch: dict, tokenizer, method: str, max_length: int) -> dict:
+    """``datasets.map`` function: messages -> input_ids, loss_mask, length, skip (reason or "")."""
+    from vat.data_prep.templates import Encoded, encode_conversations
+
+    convs = [[{"role": t["role"], "content": t["content"]} for t in m] for m in batch["messages"]]
+    encoded = encode_conversations(tokenizer, convs, method)
+    out = {"id": batch["id"], "input_ids": [], "loss_mask": [], "length": [], "skip": []}
+    for enc in encoded:
+        reason = ""
+        if not isinstance(enc, Encoded):
+            reason, enc = enc, Encoded([], [])
+        elif not any(enc.loss_mask):
+            reason = "empty_loss_mask"
+        elif len(enc.input_ids) > max_length:
+            reason = "over_length"
+        if reason:  # keep skipped rows small: only the reason is needed
+            enc = Encoded([], [])
+        out["input_ids"].append(enc.input_ids)
+        out["loss_mask"].append(enc.loss_mask)
+        out["length"].append(len(enc.input_ids))
+        out["skip"].append(reason)
+    return out
+
+
+def load_tokenizer(path: str):
+    """Load a fast tokenizer with a chat template; a :class:`VatError` if it is missing or unusable."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise VatError(f"could not load tokenizer from {path!r}: {str(err).strip().splitlines()[0]}") from None
+    if not getattr(tok, "is_fast", False):
+        raise VatError(f"tokenizer at {path!r} is not a fast tokenizer (character offsets are needed for the masks)")
+    if not getattr(tok, "chat_template", None):
+        raise VatError(f"tokenizer at {path!r} has no chat template")
+    return tok
+
+
+def _is_file_input(spec: str) -> bool:
+    """A local file (existing, or clearly meant as one), as opposed to a ``datasets`` hub name."""
+    if spec.startswith("hf:"):
+        return False
+    if os.path.exists(spec):
+        return True
+    return spec.startswith((".", "/", "~")) or spec.endswith((".json", ".jsonl", ".gz"))
+
+
+def _prepare_output(path: str) -> None:
+    if os.path.isdir(path) and os.listdir(path):
+        if not os.path.exists(os.path.join(path, "dataset_info.json")):
+            raise VatError(f"output directory exists and is not a prepared dataset (refusing to overwrite): {path}")
+        shutil.rmtree(path)
+    elif os.path.exists(path) and not os.path.isdir(path):
+        raise VatError(f"output path exists and is a file: {path}")
+
+
+def prepare_chat(
+    input: str,
+    tokenizer,
+    output: str,
+    fmt: str = "auto",
+    max_length: int = 2048,
+    num_proc: int = 1,
+    limit: int | None = None,
+    hub_kwargs: dict | None = None,
+    progress: bool = True,
+) -> dict:
+    """Tokenize a chat file (or hub dataset) into ``output`` (``save_to_disk``) and write ``output/stats.json``.
+
+    Args:
+        input: JSON array / JSON Lines file (``.gz`` allowed), or a ``datasets`` name (optionally ``name:split``).
+        tokenizer: a tokenizer object or path (fast, with a chat template).
+        output: output directory.
+        fmt: ``"auto"``, ``"sharegpt"`` or ``"messages"``.
+        max_length: rows with more tokens are skipped (``over_length``).
+        num_proc: processes for ``datasets.map``.
+        limit: read at most this many rows.
+        hub_kwargs: extra ``load_dataset`` arguments (e.g. ``data_files``) when ``input`` is not a file.
+        progress: show tqdm bars.
+
+    Returns:
+        The stats dict written to ``stats.json``.
+    """
+    import datasets
+    from tqdm.auto import tqdm
+    from vat.data_prep.templates import mask_method
+
+    t0 = time.time()
+    tok_path = tokenizer if isinstance(tokenizer, str) else getattr(tokenizer, "name_or_path", None)
+    if isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer)
+    method = mask_method(tokenizer)
+    _prepare_output(output)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    read = ReadStats()
+    if _is_file_input(input):
+        require_file(input, "input file")
+        records = iter_records(input, read)
+        source = "file"
+    else:
+        name, _, split = input.removeprefix("hf:").partition(":")
+        records = iter(load_hub_rows(name, split or "train", **(hub_kwargs or {})))
+        source = "datasets"
+
+    skipped: Counter = Counter({r: 0 for r in SKIP_REASONS})
+    layouts: Counter = Counter()
+    info: Counter = Counter()
+    seen = Counter()  # rows that reached normalisation (the reader's malformed values are counted by the reader)
+
+    def rows() -> Iterator[dict]:
+        bar = tqdm(desc="read", unit=" rows", disable=not progress)
+        for index, record in enumerate(records):
+            bar.update(1)
+            seen["rows"] += 1
+            if not isinstance(record, dict):
+                skipped["malformed_json"] += 1
+            else:
+                layouts[detect_layout(record, fmt) or "unknown"] += 1
+                messages, reason, row_info = normalize_record(record, fmt)
+                info.update(row_info)
+                if reason:
+                    skipped[reason] += 1
+                else:
+                    row_id = record.get("id", record.get("question_id", record.get("prompt_id")))
+                    yield {"id": str(row_id) if row_id is not None else f"row{index}", "messages": messages}
+            if limit is not None and seen["rows"] + read.malformed_json + read.non_object >= limit:
+                break
+        bar.close()
+
+    features = datasets.Features(
+        {
+            "id": datasets.Value("string"),
+            "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+        }
+    )
+    work = tempfile.mkdtemp(prefix=".vat-prep-", dir=os.path.dirname(os.path.abspath(output)))
+    try:
+        if not progress:
+            datasets.disable_progress_bars()
+        raw = datasets.Dataset.from_generator(rows, features=features, cache_dir=work, fingerprint=uuid.uuid4().hex)
+        if len(raw) == 0:
+            tokenized = raw.remove_columns(["messages"]).add_column("skip", [])
+        else:
+            tokenized = raw.map(
+                _tokenize_batch,
+                batched=True,
+                batch_size=64,
+                num_proc=min(num_proc, len(raw)) if num_proc > 1 else None,
+                remove_columns=["messages"],
+                fn_kwargs={"tokenizer": tokenizer, "method": method, "max_length": max_length},
+                features=datasets.Features(
+                    {
+                        "id": datasets.Value("string"),
+                        "input_ids": datasets.Sequence(datasets.Value("int32")),
+                        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+                        "length": datasets.Value("int32"),
+                        "skip": datasets.Value("string"),
+                    }
+                ),
+                new_fingerprint=uuid.uuid4().hex,
+                load_from_cache_file=False,
+                desc="tokenize",
+            )
+        skip_col = tokenized["skip"] if len(tokenized) else []
+        skipped.update(Counter(r for r in skip_col if r))
+        final = tokenized.filter(lambda s: [not x for x in s], input_columns=["skip"], batched=True, batch_size=1000)
+        final = final.remove_columns(["skip"]).select_columns(["input_ids", "loss_mask", "length", "id"])
+        staging = output.rstrip("/") + f".tmp-{uuid.uuid4().hex[:8]}"
+        final.save_to_disk(staging)
+        os.replace(staging, output)
+        tokens = int(sum(final["length"])) if len(final) else 0
+        loss_tokens = _count_loss_tokens(final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not progress:
+            datasets.enable_progress_bars()
+
+    # Malformed values seen by the file reader never reached normalisation.
+    skipped["malformed_json"] += read.malformed_json + read.non_object
+    rows_read = seen["rows"] + read.malformed_json + read.non_object
+    if rows_read != len(final) + sum(skipped.values()):  # an accounting bug, not bad input: say so loudly
+        logger.error(
+            "row accounting mismatch: read %d != kept %d + skipped %d", rows_read, len(final), sum(skipped.values())
+        )
+    stats = {
+        "input": input,
+        "source": source,
+        "tokenizer": tok_path,
+        "mask_method": method,
+        "max_length": max_length,
+        "num_proc": num_proc,
+        "rows_read": rows_read,
+        "rows_kept": len(final),
+        "skipped": dict(skipped),
+        "truncated_tail": {
+            "truncated": read.truncated_tail,
+            "at_char": read.truncated_at_char,
+            "tail_chars": read.truncated_tail_chars,
+        },
+        "layouts": dict(layouts),
+        "dropped_leading_turns": info["dropped_leading_turns"],
+        "dropped_trailing_turns": info["dropped_trailing_turns"],
+        "tokens_kept": tokens,
+        "loss_tokens_kept": loss_tokens,
+        "seconds": round(time.time() - t0, 2),
+    }
+    with open(os.path.join(output, "stats.json"), "w") as f:
+        json.dump(stats, f, indent=2)
+    return stats
+
+
+def _count_loss_tokens(ds) -> int:
+    total = 0
+    for batch in ds.select_columns(["loss_mask"]).iter(batch_size=1000):
+        total += sum(sum(m) for m in batch["loss_mask"])
+    return int(total)
+
+
+def format_stats(stats: dict) -> str:
+    """A short human-readable summary of a stats dict (printed by the CLI)."""
+    skipped = ", ".join(f"{k}={v}" for k, v in stats["skipped"].items() if v) or "none"
+    tail = stats["truncated_tail"]
+    lines = [
+        f"rows read {stats['rows_read']}, kept {stats['rows_kept']}, skipped: {skipped}",
+        f"tokens kept {stats['tokens_kept']} (loss tokens {stats['loss_tokens_kept']}), mask method {stats['mask_method']}, "
+        f"{stats['seconds']} s",
+    ]
+    if tail["truncated"]:
+        lines.append(f"input truncated at char {tail['at_char']} ({tail['tail_chars']} chars dropped)")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """Entry point of ``vat prep chat``."""
+    if args.max_length <= 0:
+        raise VatError("--max-length must be positive")
+    stats = prepare_chat(
+        args.input,
+        args.tokenizer,
+        args.output,
+        fmt=args.format,
+        max_length=args.max_length,
+        num_proc=args.num_proc,
+        limit=args.limit,
+    )
+    print(format_stats(stats))
+    print(f"wrote {args.output} (stats: {os.path.join(args.output, 'stats.json')})")
+    return 0
