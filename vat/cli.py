@@ -57,6 +57,7 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="prepared dataset directory (from `vat prep chat`)")
     p.add_argument("--size", type=int, default=32000, help="draft vocabulary size")
     p.add_argument("--output", required=True, help="output .safetensors with d2t and t2d")
+    p.add_argument("--vocab-size", type=int, default=None, help="target vocab size V (default: from the tokenizer's dir)")
     p.set_defaults(func=_dispatch("vat.data_prep.vocab:main"))
 
     p = steps.add_parser("affinity", help="token -> expert affinity table from the target's captured routing")
