@@ -1,0 +1,479 @@
+"""VAT losses (DESIGN §4.4, §5): imitation losses, fixed and verification-adaptive weights, verification-head BCE,
+expert-union penalty, and the combined objective.
+
+Pure functions of tensors: no model, no I/O. Layout as in :mod:`vat.verify`: per anchor, draft positions
+``k = 0..K-1`` (0-indexed; DESIGN's ``k = 1..K``), tensors ``(..., K)`` / ``(..., K, V_d)`` with ``valid (..., K)``.
+
+Stop-gradient: verification outcomes (accept, k*, survival), the adaptive weights, the target distribution, the
+anchor routing and the affinity table. Gradients flow into the draft logits (imitation terms, union penalty) and
+the verification-head logits (BCE). Every metric is returned as a SUM (``X_sum`` / ``X_count``), so a distributed
+SUM all-reduce followed by :func:`finalize_metrics` is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vat.errors import VatError
+from vat.verify import ACCEPTANCE_RULES, TargetDist, VerificationResult, simulate_verification
+
+DRAFTER_KINDS = ("eagle3", "dflash")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# weights
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def eagle3_schedule(K: int, decay: float = 0.8, device: torch.device | None = None) -> Tensor:
+    """EAGLE-3 base weights ``w_k = decay**k``, k = 0..K-1 (``0.8^{j-1}`` for 1-indexed j). ``(K,)`` fp32."""
+    return decay ** torch.arange(K, dtype=torch.float32, device=device)
+
+
+def dflash_schedule(K: int, gamma: float = 7.0, device: torch.device | None = None) -> Tensor:
+    """DFlash base weights ``w_k = exp(-k / gamma)``, k = 0..K-1 (``exp(-(j-1)/γ)`` for 1-indexed j). ``(K,)`` fp32."""
+    return torch.exp(-torch.arange(K, dtype=torch.float32, device=device) / gamma)
+
+
+def default_dflash_gamma(block_size: int) -> float:
+    """γ = 7 for block 16, scaled linearly with the block size (3.5 for block 8)."""
+    return 7.0 * block_size / 16.0
+
+
+def adaptive_weight_matrix(base: Tensor, prefix_only: bool = False) -> Tensor:
+    """``M[j, k]`` = the adaptive weight of position k (0-indexed) when the first rejection is ``k* = j + 1``.
+
+    ``M[j, k] = 1`` for ``k <= j`` (positions up to and including k*), else ``base[k - j]`` = w_base(k - k* + 1) in
+    1-indexed terms, or 0 with ``prefix_only``.
+
+    Args:
+        base: ``(K,)`` base schedule, ``base[0] = 1``.
+        prefix_only: ablation: zero weight after k*.
+
+    Returns:
+        ``(K + 1, K)`` fp32.
+    """
+    K = base.numel()
+    j = torch.arange(K + 1, device=base.device).unsqueeze(1)  # (K+1, 1)
+    k = torch.arange(K, device=base.device).unsqueeze(0)  # (1, K)
+    after = base.float()[(k - j).clamp(0, K - 1)]  # (K+1, K)
+    if prefix_only:
+        after = torch.zeros_like(after)
+    return torch.where(k <= j, torch.ones_like(after), after)
+
+
+@torch.no_grad()
+def adaptive_weights(kstar: Tensor, base: Tensor, *, prefix_only: bool = False) -> Tensor:
+    """Verification-adaptive weights (stop-gradient).
+
+    ``ŵ_k = 1`` for 1-indexed ``k <= k*`` (the rejection position itself keeps weight 1), ``ŵ_k = w_base(k - k* + 1)``
+    for ``k > k*``. Never zero in the default path (``w_base > 0``); ``prefix_only`` (ablation) zeroes ``k > k*``.
+
+    Args:
+        kstar: ``(...,)`` int64 first rejection (1-indexed, ``K + 1`` if none), or ``(..., K + 1)`` float
+            distribution of k* (from :func:`vat.verify.kstar_distribution`): then the weights are its expectation.
+        base: ``(K,)`` base schedule.
+        prefix_only: ablation flag.
+
+    Returns:
+        ``(..., K)`` fp32, ``requires_grad=False``.
+    """
+    M = adaptive_weight_matrix(base, prefix_only)  # (K+1, K)
+    if kstar.is_floating_point():
+        return kstar.float() @ M  # (..., K+1) @ (K+1, K)
+    return M[(kstar.long() - 1).clamp(0, base.numel())]  # (..., K)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# imitation terms
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def soft_ce(draft_logits: Tensor, target_probs: Tensor) -> Tensor:
+    """Soft cross-entropy ``-Σ_v p(v) log q(v)`` against the target distribution on the draft vocab (renormalised).
+
+    Args:
+        draft_logits: ``(..., V_d)``.
+        target_probs: ``(..., V_d)`` fp32, sums to 1 (``TargetDist.probs``).
+
+    Returns:
+        ``(...,)`` fp32 per position (unmasked).
+    """
+    return -(target_probs.float() * draft_logits.float().log_softmax(-1)).sum(-1)
+
+
+def hard_ce(draft_logits: Tensor, target_ids: Tensor) -> Tensor:
+    """Hard cross-entropy ``-log q(y)`` on the target's argmax mapped to draft ids.
+
+    Args:
+        draft_logits: ``(..., V_d)``.
+        target_ids: ``(...,)`` int64 draft ids; ``-1`` (outside the draft vocab) gives 0.
+
+    Returns:
+        ``(...,)`` fp32 per position.
+    """
+    logq = draft_logits.float().log_softmax(-1)  # (..., V_d)
+    nll = -logq.gather(-1, target_ids.clamp_min(0).unsqueeze(-1)).squeeze(-1)  # (...,)
+    return torch.where(target_ids >= 0, nll, torch.zeros_like(nll))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# verification head
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _vh_bce_sums(vh_logits: Tensor, survival: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
+    bce = F.binary_cross_entropy_with_logits(vh_logits.float(), survival.detach().float(), reduction="none")  # (..., K)
+    if valid is None:
+        return bce.sum(), torch.tensor(float(bce.numel()), device=bce.device)
+    validf = valid.float()
+    return (bce * validf).sum(), validf.sum()
+
+
+def vh_bce(vh_logits: Tensor, survival: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Verification-head loss: mean BCE-with-logits of ``v̂ = sigmoid(vh_logits)`` against the survival ``v``.
+
+    Gradients flow into ``vh_logits`` (and from there into the draft body); ``v`` is a stop-gradient target (0/1, or
+    a probability for expected acceptance).
+
+    Args:
+        vh_logits: ``(..., K)`` pre-sigmoid verification-head outputs.
+        survival: ``(..., K)`` survival targets (``VerificationResult.survival``).
+        valid: ``(..., K)`` bool; None = all valid.
+
+    Returns:
+        ``()`` fp32 mean over valid positions (0 if there are none).
+    """
+    total, count = _vh_bce_sums(vh_logits, survival, valid)
+    return total / count.clamp_min(1.0)
+
+
+@torch.no_grad()
+def binary_auc(scores: Tensor, labels: Tensor) -> float:
+    """Exact ROC AUC by ranks: P(score_pos > score_neg) + ½ P(tie), over all (positive, negative) pairs.
+
+    Soft labels ``y ∈ [0, 1]`` count an element as positive with weight y and negative with weight ``1 - y`` (pairs
+    of an element with itself excluded); for 0/1 labels this is the usual Mann–Whitney statistic.
+
+    Args:
+        scores: ``(N,)`` (any shape; flattened).
+        labels: ``(N,)`` bool or float in [0, 1].
+
+    Returns:
+        The AUC, or ``nan`` when there is no (positive, negative) pair.
+    """
+    s = scores.detach().reshape(-1).double().cpu()
+    y = labels.detach().reshape(-1).double().cpu()
+    if s.numel() == 0:
+        return float("nan")
+    order = torch.argsort(s)
+    s, y = s[order], y[order]
+    _, inverse, counts = torch.unique_consecutive(s, return_inverse=True, return_counts=True)
+    G = counts.numel()
+    pos_g = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, y)  # (G,) positive weight per tie group
+    neg_g = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, 1.0 - y)  # (G,)
+    self_g = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, y * (1.0 - y))  # (G,) self pairs
+    neg_below = torch.cumsum(neg_g, 0) - neg_g  # (G,) negative weight with strictly lower scores
+    num = (pos_g * neg_below).sum() + 0.5 * (pos_g * neg_g - self_g).sum()
+    den = pos_g.sum() * neg_g.sum() - self_g.sum()
+    return float(num / den) if den > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# expert-union penalty (DESIGN §5)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class _AffinityMix(torch.autograd.Function):
+    """``a[i] = Σ_j w[i, j] · table[idx[i, j]]`` without materialising the ``(M, m, L', E)`` gathered rows."""
+
+    @staticmethod
+    def forward(ctx: Any, weights: Tensor, idx: Tensor, table: Tensor) -> Tensor:  # (M, m), (M, m), (V, L, E)
+        out = weights.new_zeros(weights.shape[0], *table.shape[1:])  # (M, L, E)
+        for j in range(weights.shape[1]):  # top-m candidates (<= 8), not positions
+            out.add_(weights[:, j, None, None] * table[idx[:, j]])
+        ctx.save_for_backward(idx, table)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None]:
+        idx, table = ctx.saved_tensors
+        grad_w = torch.stack(
+            [(grad_out * table[idx[:, j]]).sum((-2, -1)) for j in range(idx.shape[1])], dim=-1
+        )  # (M, m)
+        return grad_w, None, None
+
+
+def expected_expert_use(q_draft: Tensor, affinity: Tensor, top_m: int = 8, *, is_logits: bool = False) -> Tensor:
+    """Expected expert use of each draft step: ``a = Σ_{v ∈ top-m(q)} q̃(v) A[v]``.
+
+    q̃ is q renormalised over its top-m candidates; gradients reach q (only at those candidates), never the table.
+
+    Args:
+        q_draft: ``(..., K, V_d)`` draft probabilities (or logits with ``is_logits``: softmax over the top-m logits
+            equals the renormalised top-m probabilities, without a full-vocab softmax in the graph).
+        affinity: ``(V_d, L', E)`` table, ``A[v, l, e] = P(e ∈ top-k at layer l | input token v)``.
+        top_m: candidates per step.
+        is_logits: ``q_draft`` holds logits.
+
+    Returns:
+        ``(..., K, L', E)`` fp32 in [0, 1].
+    """
+    lead, Vd = q_draft.shape[:-1], q_draft.shape[-1]
+    m = min(top_m, Vd)
+    vals, idx = q_draft.float().reshape(-1, Vd).topk(m, dim=-1)  # (M, m)
+    if is_logits:
+        w = vals.softmax(-1)  # (M, m)
+    else:
+        w = vals / vals.sum(-1, keepdim=True).clamp_min(1e-30)  # (M, m)
+    a = _AffinityMix.apply(w, idx, affinity.detach().float())  # (M, L', E)
+    return a.reshape(*lead, *affinity.shape[1:])
+
+
+def soft_union(a: Tensor, anchor_routing: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Soft expert union of a verification window per layer.
+
+    ``U_l = Σ_e [1 - (1 - r_{l,e}) Π_k (1 - a_{k,l,e})]``; invalid positions contribute nothing (``a_k := 0``).
+
+    Args:
+        a: ``(..., K, L', E)`` expected expert use per draft step.
+        anchor_routing: ``(..., L', E)`` the anchor (root) token's actual routing, 0/1.
+        valid: ``(..., K)`` bool; None = all valid.
+
+    Returns:
+        ``(..., L')`` fp32, in experts (between ``Σ_e r`` and E).
+    """
+    if valid is not None:
+        a = a * valid.float()[..., None, None]  # (..., K, L', E)
+    miss = torch.prod(1.0 - a, dim=-3)  # (..., L', E): probability that no draft step uses e
+    return (1.0 - (1.0 - anchor_routing.float()) * miss).sum(-1)
+
+
+def union_penalty(union: Tensor, num_experts: int, anchor_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``L_union = mean_{t,l} U_{t,l} / E`` over valid anchors.
+
+    Args:
+        union: ``(..., L')`` from :func:`soft_union`.
+        num_experts: E.
+        anchor_valid: ``(...,)`` bool; None = all anchors.
+
+    Returns:
+        ``(penalty (), union_sum (), union_count ())``: the sums (in experts, over anchors × layers) for ``union_sim``.
+    """
+    L = union.shape[-1]
+    if anchor_valid is None:
+        total = union.sum()
+        count = torch.tensor(float(union.numel()), device=union.device)
+    else:
+        total = (union * anchor_valid.float().unsqueeze(-1)).sum()
+        count = anchor_valid.float().sum() * L
+    penalty = total / (count.clamp_min(1.0) * num_experts)
+    return penalty, total.detach(), count
+
+
+def routing_onehot(topk_ids: Tensor, num_experts: int) -> Tensor:
+    """Captured routing as a 0/1 expert mask per position.
+
+    For the union window of EAGLE-3 anchor t the root token is ``t + 1`` (shift by one, zero-pad the end); for a
+    DFlash block it is the anchor itself.
+
+    Args:
+        topk_ids: ``(L', B, T, k)`` int64 executed expert ids; negative ids (dropped slots) are ignored.
+        num_experts: E.
+
+    Returns:
+        ``(B, T, L', E)`` fp32.
+    """
+    L, B, T, _ = topk_ids.shape
+    out = torch.zeros(L, B, T, num_experts + 1, dtype=torch.float32, device=topk_ids.device)
+    ids = torch.where(topk_ids < 0, torch.full_like(topk_ids, num_experts), topk_ids).long()
+    out.scatter_(-1, ids, 1.0)
+    return out[..., :num_experts].permute(1, 2, 0, 3)  # (B, T, L', E)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# objective
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LossSwitches:
+    """The loss switches, mirroring ``cfg.loss`` (:class:`vat.config.LossConfig`) after the method preset.
+
+    Every term is a switch: weight 0 = off; ``adaptive_weights=False`` = the base schedule.
+    """
+
+    soft_weight: float = 1.0  # soft CE against the target distribution on the draft vocab
+    hard_weight: float = 0.0  # hard CE on the target's argmax (mapped to draft ids)
+    adaptive_weights: bool = False  # verification-adaptive weighting
+    prefix_only: bool = False  # ablation: zero weight after k* (uses k* even when adaptive_weights is off)
+    vh_weight: float = 0.0  # beta, verification-head BCE
+    union_weight: float = 0.0  # lambda, expert-union penalty
+    union_top_m: int = 8  # candidates per draft step in the expected expert use
+    acceptance: str = "greedy"  # greedy | expected | sampled
+    decay: float = 0.8  # EAGLE-3 base weight decay**k
+    dflash_gamma: float | None = None  # DFlash base weight exp(-k/gamma); None = 7 * block_size / 16
+    kind: str = "eagle3"  # eagle3 | dflash: which base schedule
+
+    def __post_init__(self) -> None:
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise VatError(f"loss.acceptance must be one of {list(ACCEPTANCE_RULES)}, got `{self.acceptance}`")
+        if self.kind not in DRAFTER_KINDS:
+            raise VatError(f"drafter kind must be one of {list(DRAFTER_KINDS)}, got `{self.kind}`")
+        if self.union_top_m < 1:
+            raise VatError(f"loss.union_top_m must be >= 1, got {self.union_top_m}")
+
+    @classmethod
+    def from_config(cls, loss_cfg: Any, kind: str = "eagle3", block_size: int | None = None) -> LossSwitches:
+        """Build from ``cfg.loss`` (nulls read as off) and the drafter kind; γ defaults from ``block_size``."""
+        gamma = loss_cfg.dflash_gamma
+        if gamma is None and kind == "dflash":
+            gamma = default_dflash_gamma(block_size or 16)
+        return cls(
+            soft_weight=float(loss_cfg.soft_weight or 0.0),
+            hard_weight=float(loss_cfg.hard_weight or 0.0),
+            adaptive_weights=bool(loss_cfg.adaptive_weights),
+            prefix_only=bool(loss_cfg.prefix_only),
+            vh_weight=float(loss_cfg.vh_weight or 0.0),
+            union_weight=float(loss_cfg.union_weight or 0.0),
+            union_top_m=int(loss_cfg.union_top_m),
+            acceptance=str(loss_cfg.acceptance),
+            decay=float(loss_cfg.decay),
+            dflash_gamma=None if gamma is None else float(gamma),
+            kind=kind,
+        )
+
+    def base_weights(self, K: int, device: torch.device | None = None) -> Tensor:
+        """``(K,)`` fp32 base schedule of this drafter kind."""
+        if self.kind == "dflash":
+            return dflash_schedule(K, self.dflash_gamma or default_dflash_gamma(K + 1), device)
+        return eagle3_schedule(K, self.decay, device)
+
+
+def vat_objective(
+    draft_logits: Tensor,
+    target: TargetDist,
+    valid: Tensor,
+    switches: LossSwitches,
+    *,
+    vh_logits: Tensor | None = None,
+    imitation_mask: Tensor | None = None,
+    affinity: Tensor | None = None,
+    anchor_routing: Tensor | None = None,
+    verification: VerificationResult | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The full training objective.
+
+    ``L = Σ ŵ (soft_weight·ℓ_soft + hard_weight·ℓ_hard) / Σ ŵ + vh_weight·L_VH + union_weight·L_union``, sums over
+    imitation positions (valid, target argmax inside the draft vocab, ``imitation_mask``).
+
+    Args:
+        draft_logits: ``(..., K, V_d)`` draft logits (grad).
+        target: :class:`TargetDist` gathered to ``(..., K[, V_d])``.
+        valid: ``(..., K)`` bool: the position exists and is loss-masked.
+        switches: :class:`LossSwitches`.
+        vh_logits: ``(..., K)`` verification-head logits (grad); required when ``vh_weight > 0``; when given with
+            ``vh_weight == 0`` the BCE is only logged.
+        imitation_mask: ``(..., K)`` bool extra mask for the imitation terms (e.g. data token outside the draft vocab).
+        affinity: ``(V_d, L', E)`` affinity table; with ``anchor_routing``, required when ``union_weight > 0``
+            (logged only when the weight is 0).
+        anchor_routing: ``(..., L', E)`` 0/1 routing of each anchor's root token.
+        verification: a precomputed :func:`vat.verify.simulate_verification` result (else computed here).
+        generator: RNG for ``acceptance='sampled'``.
+
+    Returns:
+        ``(loss (), metrics)``: metrics are detached SUM-reducible tensors — ``loss_k_sum/count (K,)``,
+        ``acc_k_sum/count (K,)``, ``cond_acc_k_sum/count (K,)``, ``tau_sim_sum/count ()``, ``weight_sum ()``
+        (Σ ŵ over imitation positions), and when computed ``vh_bce_sum/count ()``, ``union_sim_sum/count ()``
+        (in experts per layer per anchor).
+    """
+    K = draft_logits.shape[-2]
+    dev = draft_logits.device
+    valid = valid.bool()  # (..., K)
+    lead = tuple(range(valid.dim() - 1))
+    if verification is None:
+        verification = simulate_verification(
+            draft_logits, target, valid, acceptance=switches.acceptance, generator=generator
+        )
+
+    # stop-gradient position weights
+    with torch.no_grad():
+        base = switches.base_weights(K, dev)  # (K,)
+        if switches.adaptive_weights or switches.prefix_only:
+            w = adaptive_weights(verification.kstar_probs, base, prefix_only=switches.prefix_only)  # (..., K)
+        else:
+            w = base.expand(valid.shape)  # (..., K)
+        imit = valid & (target.argmax_draft >= 0)  # (..., K)
+        if imitation_mask is not None:
+            imit = imit & imitation_mask.bool()
+        wm = w * imit.float()  # (..., K)
+        weight_sum = wm.sum()
+
+    metrics: dict[str, Tensor] = {}
+    loss = draft_logits.new_zeros((), dtype=torch.float32)
+    if switches.soft_weight or switches.hard_weight:
+        logq = draft_logits.float().log_softmax(-1)  # (..., K, V_d)
+        per_pos = torch.zeros_like(logq[..., 0])  # (..., K)
+        if switches.soft_weight:
+            per_pos = per_pos + switches.soft_weight * -(target.probs * logq).sum(-1)
+        if switches.hard_weight:
+            ids = target.argmax_draft.clamp_min(0).unsqueeze(-1)  # (..., K, 1)
+            per_pos = per_pos + switches.hard_weight * -logq.gather(-1, ids).squeeze(-1)
+        per_pos = torch.where(imit, per_pos, torch.zeros_like(per_pos))  # (..., K)
+        num = (wm * per_pos).sum()
+        loss = loss + torch.where(weight_sum > 0, num / weight_sum.clamp_min(1e-12), num * 0.0)
+        metrics["loss_k_sum"] = per_pos.detach().sum(lead) if lead else per_pos.detach()
+        metrics["loss_k_count"] = imit.float().sum(lead) if lead else imit.float()
+    metrics["weight_sum"] = weight_sum
+    metrics.update(verification.metrics())
+
+    if switches.vh_weight and vh_logits is None:
+        raise ValueError("vh_weight > 0 needs vh_logits (the drafter's verification head)")
+    if vh_logits is not None:
+        bce_sum, bce_count = _vh_bce_sums(vh_logits, verification.survival, valid)
+        if switches.vh_weight:
+            loss = loss + switches.vh_weight * bce_sum / bce_count.clamp_min(1.0)
+        metrics["vh_bce_sum"] = bce_sum.detach()
+        metrics["vh_bce_count"] = bce_count
+
+    if switches.union_weight and (affinity is None or anchor_routing is None):
+        raise ValueError("union_weight > 0 needs the affinity table and the anchors' routing")
+    if affinity is not None and anchor_routing is not None:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(switches.union_weight)):
+            a = expected_expert_use(draft_logits, affinity, switches.union_top_m, is_logits=True)  # (..., K, L', E)
+            union = soft_union(a, anchor_routing, valid)  # (..., L')
+            penalty, u_sum, u_count = union_penalty(union, affinity.shape[-1], verification.anchor_valid)
+        if switches.union_weight:
+            loss = loss + switches.union_weight * penalty
+        metrics["union_sim_sum"] = u_sum
+        metrics["union_sim_count"] = u_count
+    return loss, metrics
+
+
+def finalize_metrics(metrics: dict[str, Tensor]) -> dict[str, Any]:
+    """Turn (all-reduced) metric sums into means: every ``X_sum`` / ``X_count`` pair becomes ``X``.
+
+    Per-step entries ``X_k`` become lists ``[X_0, ..., X_{K-1}]``; a zero count gives ``nan``. Other keys pass through
+    as floats.
+    """
+    out: dict[str, Any] = {}
+    for key, val in metrics.items():
+        if key.endswith("_count"):
+            continue
+        if key.endswith("_sum") and key[:-4] + "_count" in metrics:
+            name = key[:-4]
+            num = val.detach().double()
+            den = metrics[name + "_count"].detach().double()
+            mean = torch.where(den > 0, num / den.clamp_min(1e-300), torch.full_like(num, math.nan))
+            out[name] = mean.tolist() if mean.dim() else float(mean)
+        else:
+            v = val.detach().double()
+            out[key] = v.tolist() if v.dim() else float(v)
+    return out
