@@ -103,3 +103,22 @@ def build_tokenizer(chat_template: str = CHATML, vocab_size: int = 400) -> PreTr
     )
     fast.chat_template = chat_template
     return fast
+
+
+def build_small_tokenizer(vocab_size: int = 100) -> PreTrainedTokenizerFast:
+    """A ChatML tokenizer small enough for the tiny test models (vocab 128): pad=0, <|im_end|>=1 (their EOS)."""
+    special = ["<|pad|>", "<|im_end|>", "<|im_start|>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tok.decoder = decoders.Metaspace(prepend_scheme="never")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False)
+    tok.train_from_iterator(CORPUS + ["user\nassistant\nsystem\n"], trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHATML
+    return fast
