@@ -349,7 +349,9 @@ def fused_experts(
             "the Triton experts kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before vat.kernels is imported "
             "to run on CPU); use target.experts_impl: eager on this machine"
         )
-    tensors = [t for t in (hidden_states, gate_up_proj, down_proj, topk_weights, gate_up_bias, down_bias) if t is not None]
+    tensors = [
+        t for t in (hidden_states, gate_up_proj, down_proj, topk_weights, gate_up_bias, down_bias) if t is not None
+    ]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise VatError("the Triton experts kernel has no backward: run the frozen target under torch.no_grad()")
 

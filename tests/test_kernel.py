@@ -12,13 +12,13 @@ from tiny_models import FAMILIES, tiny_model
 from transformers import OlmoeConfig, Qwen3MoeConfig
 from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-from vat.errors import VatError
 from vat.kernels.align import align_block_size, align_block_size_reference
 from vat.kernels.fused_moe import INTERPRETED, KernelConfig, expert_bytes, fused_experts, record_experts_read
 from vat.kernels.layout import ExpertsLayout
 from vat.kernels.reference import fused_experts_reference
 from vat.kernels.registry import check_triton_experts_supported, register_triton_experts
+
+from vat.errors import VatError
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Local routing helpers (the real budget policies live in vat/target; these state the rules the kernel must honour).
@@ -159,7 +159,7 @@ def test_align_rejects_out_of_range_ids():
 # Kernel parity: reference and transformers eager
 
 CASES = [
-    # (kind, T, H, I, E, k, budget, policy)
+    # (kind, T, H, inter, E, k, budget, policy)
     ("olmoe", 12, 64, 32, 8, 2, None, None),
     ("qwen3", 13, 64, 48, 8, 2, None, None),  # T not a multiple of the block size; I not a power of two
     ("olmoe", 1, 64, 32, 8, 2, None, None),  # a single token
@@ -173,9 +173,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind,T,H,I,E,k,budget,policy", CASES)
-def test_kernel_matches_reference_and_hf_eager(kind, T, H, I, E, k, budget, policy):
-    module = hf_experts(kind, H, I, E, k)
+@pytest.mark.parametrize("kind,T,H,inter,E,k,budget,policy", CASES)
+def test_kernel_matches_reference_and_hf_eager(kind, T, H, inter, E, k, budget, policy):
+    module = hf_experts(kind, H, inter, E, k)
     x = torch.randn(T, H)
     logits = torch.randn(T, E) * 2.0
     ids, weights = route(logits, k, norm_topk_prob=kind == "qwen3", budget=budget, policy=policy)
@@ -188,8 +188,8 @@ def test_kernel_matches_reference_and_hf_eager(kind, T, H, I, E, k, budget, poli
 
 @pytest.mark.parametrize("policy", ["substitute", "truncate"])
 def test_budget_at_least_union_is_identical_to_unbudgeted(policy):
-    T, H, I, E, k = 8, 64, 32, 8, 2
-    module = hf_experts("qwen3", H, I, E, k)
+    T, H, inter, E, k = 8, 64, 32, 8, 2
+    module = hf_experts("qwen3", H, inter, E, k)
     x = torch.randn(T, H)
     logits = torch.randn(T, E) * 2.0
     ids, weights = route(logits, k, True)
@@ -201,8 +201,8 @@ def test_budget_at_least_union_is_identical_to_unbudgeted(policy):
 
 
 def test_tokens_with_every_slot_dropped_get_zero_output():
-    T, H, I, E, k = 7, 64, 32, 8, 2
-    module = hf_experts("olmoe", H, I, E, k)
+    T, H, inter, E, k = 7, 64, 32, 8, 2
+    module = hf_experts("olmoe", H, inter, E, k)
     x = torch.randn(T, H)
     logits = torch.randn(T, E) * 3.0
     ids, weights = route(logits, k, False, budget=2, policy="truncate")
@@ -220,17 +220,17 @@ def test_tokens_with_every_slot_dropped_get_zero_output():
 
 def test_explicit_small_blocks_and_transposed_interleaved_biased_layout():
     """Several M-blocks per expert and several K iterations; plus the GPT-OSS layout against the reference."""
-    T, H, I, E, k = 20, 64, 32, 4, 2
-    module = hf_experts("olmoe", H, I, E, k)
+    T, H, inter, E, k = 20, 64, 32, 4, 2
+    module = hf_experts("olmoe", H, inter, E, k)
     x = torch.randn(T, H)
     ids, weights = route(torch.randn(T, E), k, False)
     small = KernelConfig(block_m=16, block_n=16, block_k=16)
     torch.testing.assert_close(kernel(module, x, ids, weights, config=small), reference(module, x, ids, weights))
 
     layout = ExpertsLayout(is_transposed=True, is_concatenated=False, activation="gpt_oss_glu", alpha=1.702, limit=0.5)
-    w1 = torch.randn(E, H, 2 * I) * H**-0.5  # (E, H, 2I)
-    w2 = torch.randn(E, I, H) * I**-0.5  # (E, I, H)
-    b1, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
+    w1 = torch.randn(E, H, 2 * inter) * H**-0.5  # (E, H, 2I)
+    w2 = torch.randn(E, inter, H) * inter**-0.5  # (E, I, H)
+    b1, b2 = torch.randn(E, 2 * inter), torch.randn(E, H)
     kw = dict(gate_up_bias=b1, down_bias=b2, layout=layout)
     torch.testing.assert_close(
         fused_experts(x, w1, w2, ids, weights, **kw), fused_experts_reference(x, w1, w2, ids, weights, **kw)
@@ -243,8 +243,8 @@ def test_explicit_small_blocks_and_transposed_interleaved_biased_layout():
 
 @pytest.mark.parametrize("policy", ["substitute", "truncate"])
 def test_experts_read_equal_the_budget_set(policy):
-    T, H, I, E, k, budget = 12, 64, 32, 64, 4, 4
-    module = hf_experts("qwen3", H, I, E, k)
+    T, H, inter, E, k, budget = 12, 64, 32, 64, 4, 4
+    module = hf_experts("qwen3", H, inter, E, k)
     x = torch.randn(T, H)
     logits = torch.randn(T, E) * 2.0
     ids, weights = route(logits, k, True, budget=budget, policy=policy)
@@ -318,3 +318,37 @@ def test_non_silu_experts_are_refused():
     model.set_experts_implementation("vat_triton")
     with torch.no_grad(), pytest.raises(VatError, match="GELU"):
         model(torch.randint(3, 128, (1, 4)))
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v3"])  # softmax, renormalised, sigmoid + groups
+def test_budgeted_target_forward_matches_eager(family):
+    """Through vat.target: a budgeted forward with experts_impl triton equals the eager one, and each layer's kernel
+    call reads exactly the experts the budgeted routing executed (at most B)."""
+    from vat.target import BudgetSpec, load_target
+
+    budget = 2
+    input_ids = torch.randint(3, 128, (1, 8))
+    outputs, calls = {}, []
+    for impl in ("eager", "triton"):
+        target = load_target(tiny_model(family), device="cpu", experts_impl=impl)
+        try:
+            with record_experts_read() as recorded:
+                outputs[impl] = [
+                    target.forward(input_ids, budget=BudgetSpec(B=budget, policy=policy))
+                    for policy in ("substitute", "truncate")
+                ]
+            if impl == "eager":
+                natural = target.forward(input_ids)
+        finally:
+            target.close()
+        calls += recorded
+    num_experts, n_layers = target.num_experts, natural.topk_ids.shape[0]
+    assert max(len(set(layer.reshape(-1).tolist())) for layer in natural.topk_ids) > budget  # the budget binds
+    assert len(calls) == 2 * n_layers  # the eager target never calls the kernel
+    for p, (eager, triton_out) in enumerate(zip(outputs["eager"], outputs["triton"])):
+        assert torch.equal(triton_out.topk_ids, eager.topk_ids)
+        torch.testing.assert_close(triton_out.logits, eager.logits, atol=1e-5, rtol=0)
+        for layer in range(n_layers):
+            executed = set(eager.topk_ids[layer].reshape(-1).tolist()) - {num_experts}
+            assert set(calls[p * n_layers + layer].experts) == executed
+            assert len(executed) <= budget
