@@ -29,9 +29,9 @@ _COMMON = dict(
 )
 
 
-def tiny_config(family: str, num_experts: int = 8, top_k: int = 2, num_layers: int = 2):
+def tiny_config(family: str, num_experts: int = 8, top_k: int = 2, num_layers: int = 2, vocab_size: int = 128):
     """A small random config of ``family`` (one of :data:`FAMILIES`)."""
-    common = dict(_COMMON, num_hidden_layers=num_layers)
+    common = dict(_COMMON, num_hidden_layers=num_layers, vocab_size=vocab_size)
     if family == "olmoe":
         return OlmoeConfig(**common, intermediate_size=32, num_experts=num_experts, num_experts_per_tok=top_k)
     if family == "qwen3_moe":
@@ -78,3 +78,51 @@ def tiny_model(family: str, seed: int = 0, **kwargs):
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, 0.3)
     return model.eval()
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ message['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int = 384):
+    """A small byte-level BPE tokenizer with a ChatML template (generation markers) and a MASK token, trained
+    on a few sentences in memory; ids fit a model with ``vocab_size`` entries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|mask|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [
+        "The quick brown fox jumps over the lazy dog. " * 3,
+        "Speculative decoding drafts tokens and the target verifies them in one pass.",
+        "Mixture of experts models route every token to a few experts per layer.",
+        "def add(a, b):\n    return a + b\n",
+        "Translate the following sentence into German: the weather is nice today.",
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token="<|endoftext|>",
+        mask_token="<|mask|>", chat_template=CHATML_TEMPLATE,
+    )
+    return wrapped
+
+
+def save_tiny_target(path, family: str = "olmoe", seed: int = 0, **kwargs) -> str:
+    """Save a tiny random model of ``family`` plus :func:`tiny_tokenizer` to ``path`` (a from_pretrained dir)."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(family, seed=seed, vocab_size=len(tokenizer), **kwargs)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

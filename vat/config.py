@@ -100,6 +100,7 @@ class TrainConfig:
     save_every: int = 500
     keep_last: int = 3
     max_nonfinite: int = 10  # consecutive non-finite losses before the run stops
+    stop_after: Optional[int] = None  # stop (as if killed) after this step, without writing final/ (resume tests)
 
 
 @dataclass

@@ -1,0 +1,62 @@
+"""The CLI surface and the typed config: six subcommands, strict keys with suggestions, typed values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vat.cli import build_parser
+from vat.cli import main as vat_main
+from vat.config import load_config
+from vat.errors import VatError
+
+SUBCOMMANDS = ["prep", "profile", "train", "eval", "export", "demo"]
+
+
+def test_help_lists_the_six_subcommands():
+    out = subprocess.run([sys.executable, "-m", "vat", "--help"], capture_output=True, text=True, check=True).stdout
+    for name in SUBCOMMANDS:
+        assert f"    {name}" in out
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_subcommand_has_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([name, "--help"])
+    assert exit_info.value.code == 0
+    assert len(capsys.readouterr().out.splitlines()) > 3
+
+
+def test_unknown_key_names_the_closest(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  max_step: 3\n")
+    with pytest.raises(VatError, match=r"unknown config key `train.max_step` \(did you mean `train.max_steps`\?\)"):
+        load_config(str(recipe))
+    with pytest.raises(VatError, match="did you mean `loss.union_weight`"):
+        load_config(None, ["loss.union_weigth=0.1"])
+
+
+def test_wrong_type_names_key_and_type():
+    with pytest.raises(VatError, match=r"config key `train.lr`: expected float"):
+        load_config(None, ["train.lr=fast"])
+    with pytest.raises(VatError, match=r"config key `train.max_steps`: expected int"):
+        load_config(None, ["train.max_steps=many"])
+
+
+def test_overrides_and_method_presets():
+    cfg = load_config(None, ["method=vat", "train.max_steps=20", "output_dir=/tmp/x", "budget.B=8"])
+    assert cfg.train.max_steps == 20 and cfg.output_dir == "/tmp/x" and cfg.budget.B == 8
+    assert cfg.loss.adaptive_weights is True and cfg.loss.vh_weight == 1.0 and cfg.drafter.verification_head
+    ablation = load_config(None, ["method=vat", "loss.adaptive_weights=false"])
+    assert ablation.loss.adaptive_weights is False and ablation.loss.vh_weight == 1.0
+    base = load_config(None, ["method=eagle3"])
+    assert base.loss.adaptive_weights is False and base.loss.vh_weight == 0.0
+
+
+def test_cli_prints_one_line_for_user_errors(tmp_path, capsys):
+    rc = vat_main(["train", str(tmp_path / "missing.yaml")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"vat: error: recipe not found: {tmp_path / 'missing.yaml'}"]

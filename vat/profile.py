@@ -1,0 +1,171 @@
+"""`vat profile`: how badly a target scatters experts per verification window, and what a budget costs.
+
+Runs the target over benchmark prompts, tiles each prompt into windows of W consecutive positions (the size of a
+verification block), and measures per MoE layer the union of experts each window loads, the expert bytes that
+union weighs, and — with ``--budget`` — the KL of the budgeted next-token distribution to the unbudgeted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from vat.errors import VatError
+from vat.target import BudgetSpec, bytes_per_window, contiguous_windows, load_target, window_union
+
+
+def parse_budget(text: str | None) -> int | list[int] | None:
+    """``"8"`` -> 8; ``"8,4,4"`` -> one budget per MoE layer; None/``none`` -> None."""
+    if text is None or str(text).lower() == "none":
+        return None
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise VatError(f"--budget must be an int or a comma list of ints, got `{text}`") from None
+    return values[0] if len(values) == 1 else values
+
+
+def kl_divergence(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position from logits, in fp32.
+
+    Args:
+        logits_p: (..., V) logits of p (the budgeted distribution).
+        logits_q: (..., V) logits of q (the unbudgeted one).
+
+    Returns:
+        (...,) KL in nats; exactly 0 where the logits are identical.
+    """
+    logp = torch.log_softmax(logits_p.float(), dim=-1)
+    logq = torch.log_softmax(logits_q.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def profile_target(target, prompts_ids: list[list[int]], window: int, budget=None, policy: str = "substitute",
+                   progress: bool = True) -> dict:
+    """Measure expert unions per window (natural and budgeted) over token sequences.
+
+    Args:
+        target: a :class:`~vat.target.FrozenTarget`.
+        prompts_ids: token id lists, one per prompt.
+        window: W, positions per window.
+        budget: None, an int, or a per-MoE-layer list.
+        policy: budget policy.
+        progress: show a progress bar.
+
+    Returns:
+        The ``profile.json`` dict (see :func:`main`).
+    """
+    num_moe = len(target.moe_layer_ids)
+    bytes_per_layer = target.expert_bytes_per_layer()
+    spec = BudgetSpec(B=budget, policy=policy, window=window) if budget is not None else None
+    unions, nat_unions, window_bytes, kls = [], [], [], []
+    n_tokens = 0
+    for ids in tqdm(prompts_ids, desc=f"profile W={window}", disable=not progress):
+        input_ids = torch.tensor([ids], device=target.device)  # (1, T)
+        valid = torch.ones_like(input_ids, dtype=torch.bool)
+        natural = target.forward(input_ids, output_aux=False)
+        groups, n_groups = contiguous_windows(valid, window)
+        nat = window_union(natural.topk_ids, groups, n_groups, target.num_experts)  # (L', G)
+        nat_unions.append(nat)
+        used = nat
+        if spec is not None:
+            budgeted = target.forward(input_ids, budget=spec, output_aux=False)
+            used = window_union(budgeted.topk_ids, budgeted.window_groups, budgeted.n_windows, target.num_experts)
+            kls.append(kl_divergence(budgeted.logits[0], natural.logits[0]))  # (T,)
+        unions.append(used)
+        window_bytes.append(bytes_per_window(used, bytes_per_layer))
+        n_tokens += len(ids)
+    if not unions:
+        raise VatError("no prompts to profile")
+    union = torch.cat(unions, dim=1).double()  # (L', total windows)
+    natural_union = torch.cat(nat_unions, dim=1).double()
+    result = {
+        "num_layers": target.num_layers,
+        "num_moe_layers": num_moe,
+        "moe_layer_ids": target.moe_layer_ids,
+        "num_experts": target.num_experts,
+        "top_k": target.top_k,
+        "window": window,
+        "budget": budget,
+        "policy": policy if budget is not None else None,
+        "n_prompts": len(prompts_ids),
+        "n_tokens": n_tokens,
+        "n_windows": int(union.shape[1]),
+        "mean_union": float(union.mean()),
+        "union_by_layer": [float(u) for u in union.mean(dim=1)],
+        "max_union": int(union.max()),
+        "natural_mean_union": float(natural_union.mean()),
+        "natural_max_union": int(natural_union.max()),
+        "expert_bytes_per_layer": bytes_per_layer,
+        "expert_bytes_per_window": float(torch.cat(window_bytes).mean()),
+        "kl_to_unbudgeted": float(torch.cat(kls).mean()) if kls else None,
+    }
+    return result
+
+
+def _render(tokenizer, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(rendered, dict) or hasattr(rendered, "input_ids"):
+            rendered = rendered["input_ids"]
+        return list(rendered)
+    return tokenizer(text)["input_ids"]
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `vat profile` (setup -> run -> write)."""
+    from transformers import AutoTokenizer
+
+    from vat.eval.benchmarks import load_benchmark
+
+    if args.window < 1:
+        raise VatError("--window must be >= 1")
+    budget = parse_budget(args.budget)
+    start = time.time()
+    target = load_target(args.target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target.path or args.target)
+    except OSError as err:
+        raise VatError(f"cannot load the target's tokenizer from {args.target}: {str(err).splitlines()[0]}") from None
+    prompts = load_benchmark(args.benchmark, limit=args.limit)
+    prompts_ids = [_render(tokenizer, p.turns[0])[: args.max_length] for p in prompts]
+    result = profile_target(target, prompts_ids, args.window, budget, args.policy)
+    result.update({"target": args.target, "benchmark": args.benchmark, "seconds": round(time.time() - start, 2)})
+    os.makedirs(args.output, exist_ok=True)
+    path = os.path.join(args.output, "profile.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(args.output, "profile.md"), "w") as f:
+        f.write(_markdown(result))
+    print(_markdown(result))
+    print(f"wrote {path}")
+    return 0
+
+
+def _markdown(r: dict) -> str:
+    lines = [
+        f"# Expert scattering of {r.get('target', 'the target')} (window W={r['window']})",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| MoE layers x experts (top-k) | {r['num_moe_layers']} x {r['num_experts']} (top-{r['top_k']}) |",
+        f"| prompts / tokens / windows | {r['n_prompts']} / {r['n_tokens']} / {r['n_windows']} |",
+        f"| natural mean union per layer per window | {r['natural_mean_union']:.2f} (max {r['natural_max_union']}) |",
+    ]
+    if r["budget"] is not None:
+        lines += [
+            f"| budget B ({r['policy']}) | {r['budget']} |",
+            f"| budgeted mean union | {r['mean_union']:.2f} (max {r['max_union']}) |",
+            f"| KL(budgeted ‖ unbudgeted) per token | {r['kl_to_unbudgeted']:.5f} nats |",
+        ]
+    lines.append(f"| expert bytes per window | {r['expert_bytes_per_window'] / 2**20:.2f} MiB |")
+    lines.append("")
+    lines.append("Union by MoE layer: " + ", ".join(f"{u:.2f}" for u in r["union_by_layer"]))
+    return "\n".join(lines) + "\n"

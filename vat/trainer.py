@@ -1,0 +1,444 @@
+"""`vat train RECIPE.yaml [key=value ...]`: train an EAGLE-3 draft (baseline or VAT) against a frozen MoE target.
+
+One step (online mode): the frozen target runs once under ``torch.no_grad`` — windowed-budgeted when
+``budget.B`` is set — and gives the aux features, the logits and the executed routing; the draft runs its
+training-time-test unroll; :func:`vat.losses.vat_objective` simulates verification and returns the loss and metric
+sums; accelerate handles devices, mixed precision, gradient accumulation and DDP.
+
+``main(cfg)`` is setup -> run -> cleanup; the CLI only builds the config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from vat.checkpointing import STATE_FILE, resolve_resume, rng_state, set_rng_state, write_checkpoint
+from vat.config import load_config, to_yaml
+from vat.data import BucketedBatches, collate, load_prepared
+from vat.errors import VatError
+
+
+def cli_main(args) -> int:
+    """`vat train` entry: build the config from the recipe and overrides, then :func:`main`."""
+    cfg = load_config(args.recipe, args.overrides)
+    main(cfg)
+    return 0
+
+
+@dataclass
+class DataPosition:
+    """Where the run is in its data: the next batch is ``batches(epoch)[batch_index]``."""
+
+    epoch: int = 0
+    batch_index: int = 0
+
+
+class Trainer:
+    """Holds everything one training run needs; built by :meth:`setup`, driven by :meth:`run`.
+
+    Args:
+        cfg: the resolved :class:`vat.config.VatConfig`.
+    """
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self.step = 0
+        self.position = DataPosition()
+        self.nonfinite_total = 0
+        self.nonfinite_streak = 0
+        self.tracker = None
+
+    # ---- setup ---------------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        from vat.target import load_target
+
+        cfg = self.cfg
+        if cfg.drafter.kind != "eagle3":
+            raise VatError(f"drafter.kind `{cfg.drafter.kind}` is not available yet; use eagle3")
+        mixed = cfg.train.mixed_precision
+        if mixed == "auto":
+            mixed = "bf16" if torch.cuda.is_available() else "no"
+        self.accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.train.grad_accum)
+        set_seed(cfg.seed)
+        self.device = self.accelerator.device
+        self.is_main = self.accelerator.is_main_process
+        os.makedirs(cfg.output_dir, exist_ok=True)
+
+        self.target = load_target(
+            cfg.target.path, dtype=cfg.target.dtype, device=self.device, experts_impl=cfg.target.experts_impl,
+            aux_layer_ids=list(cfg.target.aux_layer_ids) if cfg.target.aux_layer_ids is not None else None,
+            device_map=cfg.target.device_map,
+        )
+        self._setup_data()
+        self._setup_drafter()
+        self._setup_losses()
+        self._setup_optimizer()
+        self.budget_rng_seed = cfg.seed * 1_000_003 + 17
+        if self.is_main:
+            with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(cfg))
+
+    def _setup_data(self) -> None:
+        from vat.defaults import ensure_draft_vocab, ensure_tiny_data
+
+        cfg = self.cfg
+        data_path = cfg.data.train
+        if data_path == "tiny":
+            target_name = cfg.target.path if cfg.target.path in ("tiny", "tiny-quick") else "tiny"
+            if self.is_main:
+                ensure_tiny_data(target_name, max_length=cfg.data.max_length)
+            self.accelerator.wait_for_everyone()
+            data_path = ensure_tiny_data(target_name, max_length=cfg.data.max_length)
+        self.data_path = data_path
+        self.dataset, self.dropped_over_length = load_prepared(data_path, cfg.data.max_length, cfg.data.limit)
+        lengths = self.dataset["length"] if "length" in self.dataset.column_names else [
+            len(x) for x in self.dataset["input_ids"]]
+        self.batches = BucketedBatches(
+            lengths=list(lengths), tokens_per_batch=cfg.data.tokens_per_batch, max_batch_size=cfg.data.max_batch_size,
+            seed=cfg.seed, shuffle=cfg.data.shuffle, num_replicas=self.accelerator.num_processes,
+            rank=self.accelerator.process_index,
+        )
+        self.batches_per_epoch = len(self.batches)
+        vocab_path = cfg.data.vocab
+        if vocab_path is None:
+            cache = os.path.join(cfg.output_dir, "vocab")
+            if self.is_main:
+                ensure_draft_vocab(data_path, self.target.vocab_size, cfg.drafter.draft_vocab_size, cache)
+            self.accelerator.wait_for_everyone()
+            vocab_path = ensure_draft_vocab(data_path, self.target.vocab_size, cfg.drafter.draft_vocab_size, cache)
+        self.vocab_path = vocab_path
+        tokenizer_pad = getattr(self.target.config, "pad_token_id", None)
+        self.pad_id = int(tokenizer_pad) if tokenizer_pad is not None else 0
+
+    def _setup_drafter(self) -> None:
+        from vat.data_prep.vocab import load_draft_vocab
+        from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter, check_draft_matches_target
+
+        cfg, target = self.cfg, self.target
+        d2t, t2d = load_draft_vocab(self.vocab_path)
+        overrides: dict[str, Any] = dict(
+            draft_vocab_size=int(d2t.shape[0]), aux_layer_ids=list(target.aux_layer_ids),
+            ttt_steps=cfg.drafter.ttt_steps, norm_before_residual=cfg.drafter.norm_before_residual,
+            norm_before_fc=cfg.drafter.norm_before_fc, fc_norm=cfg.drafter.fc_norm,
+            verification_head=bool(cfg.drafter.verification_head), target_path=target.path or str(cfg.target.path),
+            vocab_size=target.vocab_size,
+        )
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rope_theta"):
+            if cfg.drafter[key] is not None:
+                overrides[key] = cfg.drafter[key]
+        if cfg.drafter.hidden_size is not None and cfg.drafter.num_attention_heads is not None:
+            overrides["head_dim"] = cfg.drafter.hidden_size // cfg.drafter.num_attention_heads
+        self.draft_config = Eagle3Config.for_target(target.config, **overrides)
+        check_draft_matches_target(self.draft_config, target.hidden_size, target.vocab_size, target.num_layers)
+        torch.manual_seed(self.cfg.seed)
+        drafter = Eagle3Drafter(self.draft_config, embed_weight=target.embed_tokens().weight.detach())
+        drafter.set_vocab_mapping(d2t, t2d)
+        self.drafter = drafter.to(self.device)
+        # absolute target ids of the draft vocab: used[i] = i + d2t[i]
+        self.draft_to_target = (torch.arange(d2t.shape[0]) + d2t).to(self.device)
+        self.target_to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long)
+        self.target_to_draft[self.draft_to_target.cpu()] = torch.arange(d2t.shape[0])
+        self.target_to_draft = self.target_to_draft.to(self.device)
+
+    def _setup_losses(self) -> None:
+        from vat.affinity import OnlineAffinity
+        from vat.losses import LossSwitches
+
+        cfg, target = self.cfg, self.target
+        self.switches = LossSwitches.from_config(cfg.loss, kind="eagle3")
+        self.K = int(cfg.drafter.ttt_steps)
+        self.affinity = None
+        # the union is simulated (and logged) for every method so runs compare; it is penalised only when λ > 0
+        if cfg.loss.affinity is not None:
+            self.affinity = OnlineAffinity.from_file(cfg.loss.affinity, top_k=target.top_k, ema=cfg.loss.affinity_ema)
+            if self.affinity.num_rows != self.draft_config.draft_vocab_size:
+                raise VatError(
+                    f"affinity table {cfg.loss.affinity} has {self.affinity.num_rows} rows but the draft vocab has "
+                    f"{self.draft_config.draft_vocab_size}: build it with `vat prep affinity --vocab VOCAB`"
+                )
+        else:
+            self.affinity = OnlineAffinity(
+                self.draft_config.draft_vocab_size, len(target.moe_layer_ids), target.num_experts, target.top_k,
+                ema=cfg.loss.affinity_ema,
+            )
+        self.affinity = self.affinity.to(self.device)
+        self.budget = None
+        if cfg.budget.B is not None:
+            from vat.target import BudgetSpec
+
+            from omegaconf import OmegaConf
+
+            b = OmegaConf.to_container(cfg.budget, resolve=True)["B"]  # int, list or {layer: B}
+            self.budget_window = int(cfg.budget.window or self.K + 1)
+            self.budget = BudgetSpec(B=b, policy=cfg.budget.policy, window=self.budget_window, scope=cfg.budget.scope)
+
+    def _setup_optimizer(self) -> None:
+        from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+        cfg = self.cfg
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
+        )
+        steps_per_epoch = max(self.batches_per_epoch // cfg.train.grad_accum, 1)
+        self.total_steps = int(cfg.train.max_steps or steps_per_epoch * cfg.train.epochs)
+        warmup = int(math.ceil(cfg.train.warmup_ratio * self.total_steps))
+        if cfg.train.scheduler == "cosine":
+            scheduler = get_cosine_schedule_with_warmup(self.optimizer, warmup, self.total_steps)
+        elif cfg.train.scheduler == "constant":
+            scheduler = get_constant_schedule_with_warmup(self.optimizer, warmup)
+        else:
+            raise VatError(f"unknown train.scheduler `{cfg.train.scheduler}`: one of cosine, constant")
+        self.drafter, self.optimizer, self.scheduler = self.accelerator.prepare(self.drafter, self.optimizer, scheduler)
+
+    # ---- one step ------------------------------------------------------------------------------------------------
+    def _budget_for_step(self, step: int):
+        """The step's budget with a random window offset (seeded by step, so a resumed run draws the same)."""
+        if self.budget is None:
+            return None
+        rng = random.Random(self.budget_rng_seed + step)
+        if rng.random() < self.cfg.budget.train_mix:
+            return None
+        from dataclasses import replace
+
+        return replace(self.budget, offset=rng.randrange(self.budget_window))
+
+    def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from vat.losses import routing_onehot, vat_objective
+        from vat.verify import target_dist
+
+        input_ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        tout = self.target.forward(input_ids, attention_mask=attention, budget=budget)
+        with self.accelerator.autocast():
+            out = self.drafter(tout.aux_hidden, input_ids, attention, ttt_steps=self.K)
+        dist = target_dist(tout.logits, self.draft_to_target)  # fields (B, T, ·)
+        gathered, valid = dist.gather_ttt(self.K, loss_mask, attention)  # (B, T, K, ·), (B, T, K)
+        topk = tout.topk_ids  # (L', B, T, k)
+        # the verification block of anchor t starts with the root token t+1: its routing is known exactly
+        routing = routing_onehot(topk, self.target.num_experts)  # (B, T, L', E)
+        anchor_routing = torch.zeros_like(routing)
+        anchor_routing[:, :-1] = routing[:, 1:]
+        loss, metrics = vat_objective(
+            out.logits, gathered, valid, self.switches, vh_logits=out.vh_logits,
+            affinity=self.affinity.table(), anchor_routing=anchor_routing,
+        )
+        rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
+        dropped_as_negative = topk.masked_fill(topk >= self.target.num_experts, -1)
+        self.affinity.update(rows, dropped_as_negative, attention.bool())
+        metrics["tokens"] = attention.sum().float()
+        return loss, metrics
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        resume_dir = resolve_resume(cfg.resume, cfg.output_dir)
+        if resume_dir is not None:
+            self.load_state(resume_dir)
+        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        if self.is_main:
+            _truncate_metrics(metrics_path, self.step)
+            self._init_tracker()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not (self.is_main and cfg.logging.progress),
+                   dynamic_ncols=True)
+        last: dict[str, Any] = {}
+        stop_after = getattr(cfg.train, "stop_after", None)
+        epoch_batches = self.batches.epoch(self.position.epoch)
+        window_start = time.time()
+        window_tokens = 0.0
+        while self.step < self.total_steps:
+            sums: dict[str, torch.Tensor] = {}
+            losses = []
+            for _ in range(cfg.train.grad_accum):
+                if self.position.batch_index >= len(epoch_batches):
+                    self.position = DataPosition(self.position.epoch + 1, 0)
+                    epoch_batches = self.batches.epoch(self.position.epoch)
+                indices = epoch_batches[self.position.batch_index]
+                self.position.batch_index += 1
+                batch = {k: v.to(self.device) for k, v in collate([self.dataset[i] for i in indices], self.pad_id).items()}
+                with self.accelerator.accumulate(self.drafter):
+                    loss, metrics = self._forward_loss(batch, self._budget_for_step(self.step))
+                    if not torch.isfinite(loss):
+                        self._nonfinite(indices)
+                        self.optimizer.zero_grad(set_to_none=True)
+                        continue
+                    self.accelerator.backward(loss)
+                    if self.accelerator.sync_gradients:
+                        grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip)
+                        metrics["grad_norm"] = torch.as_tensor(float(grad_norm))
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                self.nonfinite_streak = 0
+                losses.append(loss.detach().float())
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0) + value.detach().float()
+            self.step += 1
+            if not losses:
+                continue
+            window_tokens += float(sums.get("tokens", 0.0))
+            if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
+                record = self._reduce(sums, torch.stack(losses).mean())
+                elapsed = max(time.time() - window_start, 1e-9)
+                record["tokens_per_s"] = window_tokens * self.accelerator.num_processes / elapsed
+                window_start, window_tokens = time.time(), 0.0
+                last = record
+                if self.is_main:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    if self.tracker is not None:
+                        self.tracker.log(record, step=self.step)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_sim']:.2f}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            if cfg.train.save_every and self.step % cfg.train.save_every == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+            if stop_after is not None and self.step >= stop_after:
+                break
+        bar.close()
+        if stop_after is None or self.step >= self.total_steps:
+            self.save_final(last)
+        return last
+
+    def _nonfinite(self, indices: list[int]) -> None:
+        self.nonfinite_total += 1
+        self.nonfinite_streak += 1
+        if self.nonfinite_streak >= self.cfg.train.max_nonfinite:
+            ids = [self.dataset[i].get("id", i) for i in indices]
+            raise VatError(
+                f"{self.nonfinite_streak} non-finite losses in a row at step {self.step + 1} "
+                f"(epoch {self.position.epoch}, batch {self.position.batch_index - 1}, sample ids {ids[:8]})"
+            )
+
+    def _reduce(self, sums: dict[str, torch.Tensor], loss: torch.Tensor) -> dict[str, Any]:
+        """Global sums across processes -> one metrics record (ratios of sums, never means of means)."""
+        from vat.losses import finalize_metrics
+
+        reduced = {
+            key: self.accelerator.reduce(torch.as_tensor(value, device=self.device).float(), reduction="sum")
+            for key, value in sorted(sums.items())
+        }
+        loss = self.accelerator.reduce(loss.to(self.device), reduction="mean")
+        record: dict[str, Any] = {"step": self.step, "loss": float(loss)}
+        record.update(finalize_metrics(reduced))
+        record["lr"] = float(self.scheduler.get_last_lr()[0])
+        if "grad_norm" in reduced:
+            record["grad_norm"] = float(reduced["grad_norm"]) / self.accelerator.num_processes
+        record["tokens"] = float(reduced.get("tokens", 0.0))
+        record["nonfinite_skipped"] = self.nonfinite_total
+        record["epoch"] = self.position.epoch
+        return record
+
+    def _init_tracker(self) -> None:
+        mode = self.cfg.logging.wandb.mode
+        if mode == "disabled":
+            return
+        if mode not in ("offline", "online"):
+            raise VatError(f"logging.wandb.mode must be disabled, offline or online, got `{mode}`")
+        import wandb
+        from omegaconf import OmegaConf
+
+        self.tracker = wandb.init(
+            project=self.cfg.logging.wandb.project, name=self.cfg.logging.wandb.name, mode=mode,
+            dir=self.cfg.output_dir, config=OmegaConf.to_container(self.cfg, resolve=True),
+        )
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def _write_draft(self, directory: str) -> None:
+        from safetensors.torch import save_file
+
+        from vat.export.checkpoint import save_draft
+
+        save_draft(self.accelerator.unwrap_model(self.drafter), self.draft_config, directory)
+        table = self.affinity.table().detach().float().cpu().contiguous()
+        save_file({"affinity": table}, os.path.join(directory, "affinity.safetensors"))
+        with open(os.path.join(directory, "config.yaml"), "w") as f:
+            f.write(to_yaml(self.cfg))
+
+    def save_checkpoint(self) -> str | None:
+        self.accelerator.wait_for_everyone()
+        if not self.is_main:
+            return None
+
+        def fill(tmp: str) -> None:
+            self._write_draft(tmp)
+            state = {
+                "step": self.step,
+                "position": (self.position.epoch, self.position.batch_index),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "drafter": self.accelerator.unwrap_model(self.drafter).state_dict(),
+                "affinity": self.affinity.state_dict(),
+                "rng": rng_state(),
+                "nonfinite_total": self.nonfinite_total,
+            }
+            torch.save(state, os.path.join(tmp, STATE_FILE))
+
+        return write_checkpoint(self.cfg.output_dir, self.step, fill, self.cfg.train.keep_last)
+
+    def load_state(self, directory: str) -> None:
+        state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
+        self.accelerator.unwrap_model(self.drafter).load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.affinity.load_state_dict(state["affinity"])
+        self.step = int(state["step"])
+        self.position = DataPosition(*state["position"])
+        self.nonfinite_total = int(state["nonfinite_total"])
+        set_rng_state(state["rng"])
+        if self.is_main:
+            print(f"[vat] resumed from {directory} at step {self.step}")
+
+    def save_final(self, last: dict[str, Any]) -> None:
+        self.accelerator.wait_for_everyone()
+        if not self.is_main:
+            return
+        final = os.path.join(self.cfg.output_dir, "final")
+        tmp = final + ".tmp"
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        self._write_draft(tmp)
+        with open(os.path.join(tmp, "train_summary.json"), "w") as f:
+            json.dump({"steps": self.step, "last": last, "data": self.data_path, "vocab": self.vocab_path,
+                       "dropped_over_length": self.dropped_over_length}, f, indent=2)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        print(f"[vat] trained draft written to {final}")
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.finish()
+        self.target.close()
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Drop lines logged after ``step`` (a killed run may have logged past its last checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
+def main(cfg: Any) -> dict[str, Any]:
+    """Train a draft: setup -> run -> cleanup. Returns the last logged metrics."""
+    trainer = Trainer(cfg)
+    trainer.setup()
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
