@@ -1,0 +1,31 @@
+"""Draft checkpoints (vat format) and exporters / importers for SGLang and vLLM speculators (``docs/export.md``)."""
+
+from vat.export.checkpoint import detect_format, load_draft, save_draft
+from vat.export.cli import export_draft
+from vat.export.conventions import (
+    VAT_AUX_CONVENTION,
+    sglang_to_vat_aux_ids,
+    vat_to_hf_hidden_states_index,
+    vat_to_sglang_aux_ids,
+    vat_to_vllm_aux_ids,
+    vllm_to_vat_aux_ids,
+)
+from vat.export.sglang import export_sglang, sglang_config_dict
+from vat.export.speculators import export_speculators, speculators_config_dict
+
+__all__ = [
+    "VAT_AUX_CONVENTION",
+    "detect_format",
+    "export_draft",
+    "export_sglang",
+    "export_speculators",
+    "load_draft",
+    "save_draft",
+    "sglang_config_dict",
+    "sglang_to_vat_aux_ids",
+    "speculators_config_dict",
+    "vat_to_hf_hidden_states_index",
+    "vat_to_sglang_aux_ids",
+    "vat_to_vllm_aux_ids",
+    "vllm_to_vat_aux_ids",
+]
