@@ -49,7 +49,7 @@ def _gate_up_act_kernel(
     b_ptr,  # (E, 2I) bias, or any tensor when HAS_BIAS is False
     out_ptr,  # (P, I) activation cache, one row per pair
     sorted_ids_ptr,  # (num_padded,) pair ids grouped by expert, pad = num_pairs
-    block_expert_ptr,  # (num_blocks,) expert of each M-block
+    block_expert_ptr,  # (max_blocks,) expert of each M-block, -1 = unused
     num_pairs,
     num_experts,  # only part of the autotune key
     N,  # I
@@ -77,11 +77,13 @@ def _gate_up_act_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # int64: E * 2I * H can pass 2**31
+    if expert < 0:  # unused block past the last expert's run
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)  # (BM,)
     row_ok = pair < num_pairs  # (BM,) padding rows are masked out
     token = pair // TOP_K  # (BM,)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # int64: E * 2I * H can pass 2**31
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)  # (BK,)
@@ -150,10 +152,12 @@ def _down_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m)  # (BM,)
     row_ok = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -369,7 +373,7 @@ def fused_experts(
         )
         for calls in _RECORDERS:
             calls.append(record)
-    if alignment.num_blocks == 0:  # no tokens, or every slot dropped
+    if alignment.max_blocks == 0:  # no tokens
         return hidden_states.new_zeros(num_tokens, hidden)
 
     # Compute dtype: the weights' own on a GPU, fp32 under the interpreter (its bf16 arithmetic is wrong).
@@ -413,11 +417,11 @@ def _launch_gate_up(x, w1, b1, act, alignment: Alignment, num_experts, top_k, la
         IEEE=w1.dtype == torch.float32, BLOCK_M=alignment.block_size,
     )  # fmt: skip
     if tuned:
-        grid = lambda m: (alignment.num_blocks, triton.cdiv(inter, m["BLOCK_N"]))
+        grid = lambda m: (alignment.max_blocks, triton.cdiv(inter, m["BLOCK_N"]))
         _gate_up_act_tuned[grid](*args, **meta)
         return
     block_n, block_k = _tile(config.block_n, inter), _tile(config.block_k, hidden)
-    grid = (alignment.num_blocks, triton.cdiv(inter, block_n))
+    grid = (alignment.max_blocks, triton.cdiv(inter, block_n))
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages) if not INTERPRETED else {}
     _gate_up_act_kernel[grid](*args, **meta, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
 
@@ -436,10 +440,10 @@ def _launch_down(act, w2, b2, flat_weights, y, alignment: Alignment, num_experts
     )  # fmt: skip
     meta = dict(HAS_BIAS=b2 is not None, IEEE=w2.dtype == torch.float32, BLOCK_M=alignment.block_size)
     if tuned:
-        grid = lambda m: (alignment.num_blocks, triton.cdiv(hidden, m["BLOCK_N"]))
+        grid = lambda m: (alignment.max_blocks, triton.cdiv(hidden, m["BLOCK_N"]))
         _down_tuned[grid](*args, **meta)
         return
     block_n, block_k = _tile(config.block_n, hidden), _tile(config.block_k, inter)
-    grid = (alignment.num_blocks, triton.cdiv(hidden, block_n))
+    grid = (alignment.max_blocks, triton.cdiv(hidden, block_n))
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages) if not INTERPRETED else {}
     _down_kernel[grid](*args, **meta, BLOCK_N=block_n, BLOCK_K=block_k, **launch)

@@ -12,7 +12,7 @@ from tiny_models import FAMILIES, tiny_model
 from transformers import OlmoeConfig, Qwen3MoeConfig
 from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-from vat.kernels.align import align_block_size, align_block_size_reference
+from vat.kernels.align import align_block_size, align_block_size_reference, max_blocks_bound
 from vat.kernels.fused_moe import INTERPRETED, KernelConfig, expert_bytes, fused_experts, record_experts_read
 from vat.kernels.layout import ExpertsLayout
 from vat.kernels.reference import fused_experts_reference
@@ -129,29 +129,31 @@ def test_align_matches_slow_reference(num_tokens, top_k, num_experts, block_size
     ids[torch.rand(num_tokens, top_k) < drop_frac] = num_experts  # sentinel: dropped slot
     fast = align_block_size(ids, num_experts, block_size)
     slow = align_block_size_reference(ids, num_experts, block_size)
-    assert fast.sorted_pair_ids.tolist() == slow.sorted_pair_ids.tolist()
-    assert fast.block_expert_ids.tolist() == slow.block_expert_ids.tolist()
+    assert fast.used() == slow.used()
+    assert fast.num_tokens_post_padded.tolist() == slow.num_tokens_post_padded.tolist()
     present = sorted(set(ids[ids < num_experts].tolist()))
-    assert fast.experts_read() == present
+    assert fast.experts_read() == slow.experts_read() == present
     pairs = num_tokens * top_k
-    # Buffers bounded by the experts present, not by num_experts.
-    assert fast.num_padded <= pairs + len(present) * (block_size - 1)
-    assert fast.num_padded % block_size == 0
+    # The grid bound holds and never depends on num_experts beyond min(E, P); the unused tail is inert.
+    assert slow.max_blocks <= fast.max_blocks == max_blocks_bound(pairs, num_experts, block_size)
+    assert fast.max_blocks <= min(pairs, -(-pairs // block_size) + min(num_experts, pairs))
+    assert set(fast.block_expert_ids[slow.max_blocks :].tolist()) <= {-1}
+    assert set(fast.sorted_pair_ids[slow.max_blocks * block_size :].tolist()) <= {pairs}
     valid_pairs = sorted(p for p in fast.sorted_pair_ids.tolist() if p != pairs)
     assert valid_pairs == [p for p in range(pairs) if ids.reshape(-1)[p] < num_experts]
 
 
 def test_align_vllm_docstring_example():
     ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]])
-    a = align_block_size(ids, num_experts=5, block_size=4)
-    assert a.sorted_pair_ids.tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
-    assert a.block_expert_ids.tolist() == [1, 2, 3, 4]
+    sorted_ids, block_experts = align_block_size(ids, num_experts=5, block_size=4).used()
+    assert sorted_ids == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
+    assert block_experts == [1, 2, 3, 4]
 
 
 def test_align_rejects_out_of_range_ids():
-    with pytest.raises(VatError, match="out of range"):
+    with pytest.raises(VatError, match="expert id 9 out of range"):
         align_block_size(torch.tensor([[0, 9]]), num_experts=8, block_size=16)
-    with pytest.raises(VatError, match=">= 0"):
+    with pytest.raises(VatError, match="expert id -1 out of range"):
         align_block_size(torch.tensor([[0, -1]]), num_experts=8, block_size=16)
 
 
