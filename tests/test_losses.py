@@ -25,6 +25,7 @@ from vat.losses import (
     routing_onehot,
     soft_ce,
     soft_union,
+    ttt_anchor_routing,
     union_penalty,
     vat_objective,
     vh_bce,
@@ -328,6 +329,8 @@ def test_routing_onehot():
     assert r.shape == (1, 2, 2, 4)
     assert r[0, 0, 0].tolist() == [1, 0, 1, 0] and r[0, 1, 0].tolist() == [0, 1, 0, 0]
     assert r[0, 0, 1].tolist() == [0, 1, 0, 1] and r[0, 1, 1].tolist() == [1, 0, 0, 1]
+    shifted = ttt_anchor_routing(topk, 4)  # anchor t reads the root token t + 1
+    assert torch.equal(shifted[0, 0], r[0, 1]) and shifted[0, 1].sum() == 0
 
 
 # ---------------------------------------------------------------------------------------------------- affinity table

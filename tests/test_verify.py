@@ -258,7 +258,7 @@ def test_gather_ttt_targets_brute_force():
     B, T, K, V = 2, 9, 3, 4
     x = torch.randn(B, T, V)
     loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 1, 1, 1, 1, 1, 0, 0]])
-    attn = torch.tensor([[1] * 9, [1] * 7 + [0, 0]])
+    attn = torch.tensor([[0, 0] + [1] * 7, [1] * 7 + [0, 0]])  # left padding, right padding
     g, valid = gather_ttt_targets(x, K, loss_mask, attn)
     assert g.shape == (B, T, K, V) and valid.shape == (B, T, K)
     for b in range(B):

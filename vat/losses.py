@@ -297,6 +297,25 @@ def routing_onehot(topk_ids: Tensor, num_experts: int) -> Tensor:
     return out[..., :num_experts].permute(1, 2, 0, 3)  # (B, T, L', E)
 
 
+def ttt_anchor_routing(topk_ids: Tensor, num_experts: int) -> Tensor:
+    """Routing of the root token of each EAGLE-3 anchor's verification window.
+
+    At anchor t the verification block is ``[x_{t+1}, d_1 .. d_K]``; its root routing is the one captured when the
+    target read ``x_{t+1}``, i.e. position ``t + 1`` (zeros past the end).
+
+    Args:
+        topk_ids: ``(L', B, T, k)`` executed expert ids.
+        num_experts: E.
+
+    Returns:
+        ``(B, T, L', E)`` fp32 0/1 (the ``anchor_routing`` of :func:`vat_objective`).
+    """
+    onehot = routing_onehot(topk_ids, num_experts)  # (B, T, L', E)
+    out = torch.zeros_like(onehot)
+    out[:, :-1] = onehot[:, 1:]
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # objective
 # ----------------------------------------------------------------------------------------------------------------------
