@@ -18,7 +18,6 @@ markers path is taken only when the template has markers.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 MARKER_METHOD = "generation_markers"
@@ -68,6 +67,20 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def _common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix (C-speed slice compares; the usual case is ``b.startswith(a)``)."""
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))  # invariant: a[:lo] == b[:lo], a[:hi+1] != b[:hi+1] beyond hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def assistant_char_spans(tokenizer, messages: list[dict], text: str | None = None) -> tuple[str, list[tuple[int, int]]]:
     """Render ``messages`` and locate each assistant turn's content in the rendering (render-difference method).
 
@@ -97,7 +110,7 @@ def assistant_char_spans(tokenizer, messages: list[dict], text: str | None = Non
         if j > 0:
             try:
                 prompt = _render(tokenizer, messages[:j], add_generation_prompt=True)
-                header_end = max(cursor, len(os.path.commonprefix([prompt, text])))
+                header_end = max(cursor, _common_prefix_len(prompt, text))
             except Exception:  # a template may refuse a prefix (e.g. strict alternation); fall back to the cursor
                 header_end = cursor
         content = raw
@@ -162,7 +175,13 @@ def encode_conversations(tokenizer, conversations: list[list[dict]], method: str
     """
     method = method or mask_method(tokenizer)
     if method == MARKER_METHOD:
-        return [_encode_with_markers(tokenizer, conv) for conv in conversations]
+        try:  # one batched render + tokenization; a template error anywhere falls back to one at a time
+            enc = tokenizer.apply_chat_template(
+                conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            return [Encoded(list(i), [int(m) for m in a]) for i, a in zip(enc["input_ids"], enc["assistant_masks"])]
+        except Exception:
+            return [_encode_with_markers(tokenizer, conv) for conv in conversations]
     texts: list[str | None] = []
     spans: list[list[tuple[int, int]] | None] = []
     for conv in conversations:
