@@ -284,3 +284,27 @@ def test_unreachable_hub_name_is_a_vat_error(tmp_path):
 
     with pytest.raises(VatError, match="could not load dataset"):
         prepare_chat("vat-test/no-such-dataset", build_tokenizer(CHATML), str(tmp_path / "out"), progress=False)
+
+
+def test_render_diff_agrees_with_generation_markers_on_tricky_content():
+    # Same ChatML text with and without {% generation %}: both masking methods must give identical ids and masks.
+    convs = [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\n\nHello!  \n"}],
+        [
+            {"role": "user", "content": "Say Hi"},
+            {"role": "assistant", "content": "Hi"},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hi"},
+        ],
+        [
+            {"role": "system", "content": "assistant"},
+            {"role": "user", "content": "assistant\nHello"},
+            {"role": "assistant", "content": "assistant"},
+            {"role": "user", "content": "<|im_end|>"},
+            {"role": "assistant", "content": "def add(a, b): return a + b"},
+        ],
+    ]
+    plain = encode_conversations(build_tokenizer(CHATML), convs)
+    marked = encode_conversations(build_tokenizer(CHATML_GENERATION), convs)
+    for p, m in zip(plain, marked):
+        assert p.input_ids == m.input_ids and p.loss_mask == m.loss_mask
