@@ -1,0 +1,234 @@
+"""The speculative-decoding loop on the HF target: prefill, then rounds of draft -> verify -> accept.
+
+One :class:`SpeculativeEngine` decodes one sequence at a time (batch size 1) in one of three modes:
+
+* ``ar``: no draft; each round is one target forward of the newest token (the autoregressive baseline);
+* ``chain``: EAGLE-3 top-1 chain of K drafts per round (:mod:`vat.eval.chain`);
+* ``tree``: EAGLE dynamic tree per round (:mod:`vat.eval.tree`).
+
+State between rounds: the target's ``DynamicCache`` holds every committed token except the newest (the *root*, fed
+first in the next verification block); the draft's cache holds one entry per committed position
+(:mod:`vat.eval.draft_state`), extended with the target's aux features of the accepted positions. The prefill is
+unbudgeted; each verification forward gets ``BudgetSpec(B, policy)`` with ``window=None``: the block is the window.
+The routing each verification forward executes is captured and reduced to the union of experts per MoE layer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from vat.drafters.eagle3 import Eagle3Drafter
+from vat.eval.chain import draft_chain, judge_chain
+from vat.eval.draft_state import DraftHead, DraftState
+from vat.eval.sampling import choose_token
+from vat.eval.tree import TreeSpec, build_tree, judge_tree
+from vat.target import BudgetSpec, FrozenTarget, window_union
+from vat.target.cache import cache_length, crop_cache, new_cache, select_cache_positions, tree_attention_mask
+
+
+@dataclass
+class RoundStats:
+    """What one verification round did.
+
+    Attributes:
+        drafted: drafted tokens in the verification block (block length - 1; 0 for AR).
+        accepted: drafts accepted (a).
+        reached: draft positions reached by the left-to-right check (chain: min(a + 1, drafted)).
+        committed: tokens committed this round and kept (a + 1, fewer when EOS / max-new-tokens cut the round).
+        union: experts executed per MoE layer in the verification forward (sentinel slots excluded), length L'.
+    """
+
+    drafted: int
+    accepted: int
+    reached: int
+    committed: int = 0
+    union: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """One decoded sequence.
+
+    Attributes:
+        token_ids: generated tokens (EOS included when it ended the sequence).
+        rounds: one :class:`RoundStats` per verification (or AR) forward.
+        target_forwards: prefill + verification forwards.
+        seconds: wall-clock seconds of the whole decode (prefill, drafting, verification).
+        prompt_tokens: prompt length.
+    """
+
+    token_ids: list[int]
+    rounds: list[RoundStats]
+    target_forwards: int
+    seconds: float
+    prompt_tokens: int
+
+
+@dataclass
+class _Outcome:
+    stats: RoundStats
+    tokens: list[int]  # committed tokens, newest last
+    aux: torch.Tensor | None  # (1, a + 1, 3*H_t) aux states of the accepted block entries
+
+
+class SpeculativeEngine:
+    """Speculative (or plain autoregressive) decoding of one sequence at a time on a :class:`FrozenTarget`.
+
+    Args:
+        target: the target; its ``aux_layer_ids`` must be the draft's.
+        drafter: an EAGLE-3 draft with its embedding attached, or None for the autoregressive baseline.
+        steps: chain length K.
+        tree: a :class:`TreeSpec` for dynamic-tree drafting (None = chain).
+        temperature: 0 = greedy (lossless), > 0 = rejection sampling at this temperature.
+        budget: expert budget B of the verification forwards (int, per-layer list or mapping; None = natural).
+        policy: ``substitute`` or ``truncate``.
+        vh_threshold: stop drafting where the verification head's acceptance probability falls below this.
+        max_new_tokens: generated tokens per sequence (the prefill's token included).
+        eos_token_ids: tokens that end a sequence.
+    """
+
+    def __init__(
+        self,
+        target: FrozenTarget,
+        drafter: Eagle3Drafter | None = None,
+        *,
+        steps: int = 7,
+        tree: TreeSpec | None = None,
+        temperature: float = 0.0,
+        budget=None,
+        policy: str = "substitute",
+        vh_threshold: float | None = None,
+        max_new_tokens: int = 256,
+        eos_token_ids: Iterable[int] = (),
+    ):
+        self.target = target
+        self.drafter = drafter
+        self.steps = steps
+        self.tree = tree
+        self.temperature = float(temperature)
+        self.budget = BudgetSpec(B=budget, policy=policy) if budget is not None else None
+        self.vh_threshold = vh_threshold
+        self.max_new_tokens = max_new_tokens
+        self.eos = {int(t) for t in eos_token_ids}
+
+    @property
+    def mode(self) -> str:
+        """``ar``, ``chain`` or ``tree``."""
+        if self.drafter is None:
+            return "ar"
+        return "tree" if self.tree is not None else "chain"
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[int], generator: torch.Generator | None = None) -> Generation:
+        """Decode one sequence.
+
+        Args:
+            prompt_ids: the rendered prompt's token ids (non-empty).
+            generator: randomness for T > 0 (on the target's device).
+
+        Returns:
+            A :class:`Generation`.
+        """
+        device = self.target.device
+        prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, n)
+        start = time.perf_counter()
+        cache = new_cache()
+        out = self.target.forward(
+            prompt, past_key_values=cache, use_cache=True, capture_routing=False, output_aux=self.drafter is not None
+        )
+        root = choose_token(out.logits[0, -1], self.temperature, generator)
+        tokens = [root]
+        state = DraftState(self.drafter, self.temperature) if self.drafter is not None else None
+        pending = None
+        if state is not None:
+            nxt = torch.cat([prompt[:, 1:], prompt.new_tensor([[root]])], dim=1)  # (1, n): token after each position
+            pending = (out.aux_hidden, nxt)
+        rounds: list[RoundStats] = []
+        while not self._finished(tokens):
+            head = state.extend(*pending) if state is not None else None
+            outcome = self._round(cache, state, head, tokens[-1], generator)
+            outcome.stats.committed = self._commit(tokens, outcome.tokens)
+            rounds.append(outcome.stats)
+            if state is not None:
+                a = len(outcome.tokens)
+                pending = (outcome.aux, torch.tensor([outcome.tokens], device=device).view(1, a))
+        seconds = time.perf_counter() - start
+        return Generation(
+            token_ids=tokens, rounds=rounds, target_forwards=1 + len(rounds), seconds=seconds,
+            prompt_tokens=prompt.shape[1],
+        )
+
+    def _finished(self, tokens: list[int]) -> bool:
+        return len(tokens) >= self.max_new_tokens or tokens[-1] in self.eos
+
+    def _commit(self, tokens: list[int], new: list[int]) -> int:
+        """Append ``new`` to ``tokens`` up to EOS / max-new-tokens; return how many were kept."""
+        kept = 0
+        for t in new:
+            if self._finished(tokens):
+                break
+            tokens.append(t)
+            kept += 1
+        return kept
+
+    def _round(
+        self, cache, state: DraftState | None, head: DraftHead | None, root: int, generator
+    ) -> _Outcome:
+        if self.mode == "ar":
+            return self._ar_round(cache, root, generator)
+        if self.mode == "chain":
+            return self._chain_round(cache, state, head, root, generator)
+        return self._tree_round(cache, state, head, root, generator)
+
+    # ---- rounds --------------------------------------------------------------------------------------------------
+
+    def _union(self, topk_ids: torch.Tensor) -> list[int]:
+        """(L', 1, T, k) executed ids of one verification forward -> experts per layer (the block is one window)."""
+        groups = torch.zeros(1, topk_ids.shape[2], dtype=torch.long, device=topk_ids.device)  # (1, T)
+        return window_union(topk_ids, groups, 1, self.target.num_experts)[:, 0].tolist()
+
+    def _ar_round(self, cache, root: int, generator) -> _Outcome:
+        block = torch.tensor([[root]], device=self.target.device)  # (1, 1)
+        out = self.target.forward(block, past_key_values=cache, use_cache=True, budget=self.budget, output_aux=False)
+        token = choose_token(out.logits[0, -1], self.temperature, generator)
+        stats = RoundStats(drafted=0, accepted=0, reached=0, union=self._union(out.topk_ids))
+        return _Outcome(stats=stats, tokens=[token], aux=None)
+
+    def _chain_round(self, cache, state: DraftState, head: DraftHead, root: int, generator) -> _Outcome:
+        n = cache_length(cache)
+        draft = draft_chain(state, head, self.steps, vh_threshold=self.vh_threshold, generator=generator)
+        block = torch.cat([draft.tokens.new_tensor([root]), draft.tokens])[None]  # (1, K' + 1)
+        out = self.target.forward(block, past_key_values=cache, use_cache=True, budget=self.budget)
+        verdict = judge_chain(out.logits[0], draft, self.temperature, generator)
+        a = verdict.accepted
+        crop_cache(cache, n + a + 1)
+        drafted = int(draft.tokens.shape[0])
+        stats = RoundStats(
+            drafted=drafted, accepted=a, reached=min(a + 1, drafted), union=self._union(out.topk_ids)
+        )
+        tokens = draft.tokens[:a].tolist() + [verdict.next_token]
+        return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, : a + 1])
+
+    def _tree_round(self, cache, state: DraftState, head: DraftHead, root: int, generator) -> _Outcome:
+        device = self.target.device
+        n = cache_length(cache)
+        tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold)
+        block = torch.tensor([[root] + tree.tokens], device=device)  # (1, N + 1)
+        positions = (n + tree.block_depths().to(device))[None]  # (1, N + 1)
+        mask = tree_attention_mask(tree.ancestors().to(device), n, self.target.dtype)  # (1, 1, N+1, n+N+1)
+        out = self.target.forward(
+            block, mask, position_ids=positions, past_key_values=cache, use_cache=True, budget=self.budget
+        )
+        verdict = judge_tree(out.logits[0], tree, self.temperature, generator)
+        path = torch.tensor(verdict.path, device=device)  # (a + 1,) block indices, root first
+        select_cache_positions(cache, torch.cat([torch.arange(n, device=device), n + path]))
+        a = len(verdict.path) - 1
+        stats = RoundStats(drafted=len(tree), accepted=a, reached=verdict.reached, union=self._union(out.topk_ids))
+        tokens = [tree.tokens[b - 1] for b in verdict.path[1:]] + [verdict.next_token]
+        return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, path])

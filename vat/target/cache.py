@@ -1,0 +1,85 @@
+"""The target's KV cache during speculative decoding: create, crop, compact to an accepted path, tree masks.
+
+Every touch point with transformers' cache API and its 4-D attention-mask convention lives here (DESIGN §11.9), so a
+transformers upgrade changes one file. Checked on transformers 5.24:
+
+* ``DynamicCache`` holds one ``DynamicLayer`` per decoder layer with ``keys`` / ``values`` of shape
+  (B, H_kv, S, hd); ``Cache.crop`` takes the number of tokens to *remove* (negative), so vat slices the layers itself.
+* A 4-D ``attention_mask`` (B, 1, T, S_past + T) is passed to the attention functions as-is; eager attention *adds*
+  it to the scores, so it must be an additive float mask (0 = attend, dtype minimum = masked), which SDPA accepts too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vat.errors import VatError
+
+
+def new_cache(config: Any = None) -> Any:
+    """An empty ``DynamicCache`` (pass the model config for sliding-window / hybrid layer types)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config) if config is not None else DynamicCache()
+
+
+def cache_length(cache: Any) -> int:
+    """Number of cached positions (0 for ``None`` or an empty cache)."""
+    return 0 if cache is None else int(cache.get_seq_length())
+
+
+def _full_layers(cache: Any) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise VatError(f"unsupported KV cache type {type(cache).__name__}: vat eval needs a transformers DynamicCache")
+    for layer in layers:
+        if getattr(layer, "is_sliding", False):
+            raise VatError(
+                "speculative decoding with a sliding-window KV cache is not supported (the cache cannot be compacted)"
+            )
+    return layers
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (discard rejected drafts), in place."""
+    for layer in _full_layers(cache):
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
+
+
+def select_cache_positions(cache: Any, keep: torch.Tensor) -> None:
+    """Keep only the cached positions ``keep`` (in this order) in every layer, in place: compaction of the KV cache to
+    the accepted path of a verified tree.
+
+    Args:
+        cache: a ``DynamicCache``.
+        keep: (S',) int64 indices into the cached positions, ascending (prefix, then the accepted tree nodes).
+    """
+    for layer in _full_layers(cache):
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+            idx = keep.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(2, idx)
+            layer.values = layer.values.index_select(2, idx)
+
+
+def tree_attention_mask(ancestors: torch.Tensor, past_length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive 4-D attention mask of a tree-verification forward over a cache of ``past_length`` positions.
+
+    Args:
+        ancestors: (N, N) bool, ``ancestors[i, j]`` = block entry j is entry i itself or one of its ancestors.
+        past_length: cached positions (all visible to every tree entry).
+        dtype: the model's compute dtype (the mask is added to attention scores).
+
+    Returns:
+        (1, 1, N, past_length + N) float mask: 0 where attending is allowed, the dtype's minimum elsewhere.
+    """
+    n = ancestors.shape[0]
+    allowed = torch.cat(
+        [torch.ones(n, past_length, dtype=torch.bool, device=ancestors.device), ancestors.bool()], dim=1
+    )  # (N, S + N)
+    mask = torch.zeros(n, past_length + n, dtype=dtype, device=ancestors.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]  # (1, 1, N, S + N)
