@@ -166,6 +166,12 @@ def test_ttt_backward_reaches_trainable_weights_not_embedding():
     assert not model.embed_tokens.weight.requires_grad
     assert all("embed" not in n for n, _ in model.named_parameters())
     assert all("embed" not in n for n in model.state_dict())
+    # unregistered: no buffer either, and casting the draft leaves the (shared) target table alone
+    weight = model.embed_tokens.weight
+    assert all(b.data_ptr() != weight.data_ptr() for b in model.buffers())
+    model.double()
+    assert model.embed_tokens.weight is weight and weight.dtype == torch.float32
+    assert model.ttt_forward(aux.double(), ids).logits.dtype == torch.float64
 
 
 def test_forward_without_embedding_is_a_clear_error():

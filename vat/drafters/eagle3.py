@@ -329,15 +329,19 @@ def ttt_valid_mask(attention_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor
 
 
 class FrozenEmbedding(nn.Module):
-    """A frozen token embedding whose table is a non-persistent buffer: moves with ``.to()``, is not a parameter and
-    is never part of ``state_dict()`` (so it is never saved). The target's tensor is shared, not copied."""
+    """The target's token embedding, frozen and shared (the tensor is not copied).
+
+    :class:`Eagle3Drafter` holds it *unregistered*: it is not a parameter, not a buffer and never in ``state_dict()``
+    (so never saved), and ``.to()`` / DDP / FSDP on the draft leave it alone: it stays on the target's device and dtype,
+    and looked-up rows are moved to the draft's device and dtype.
+    """
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.register_buffer("weight", weight.detach(), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return F.embedding(input_ids.to(self.weight.device), self.weight)
 
 
 class Eagle3Attention(nn.Module):
@@ -489,8 +493,8 @@ class Eagle3Drafter(nn.Module):
 
     Args:
         config: the draft config.
-        embed_weight: (V, H) the target's input-embedding table (shared, frozen, never saved). May be omitted and set
-            later with :meth:`set_embedding` (e.g. after :func:`vat.export.load_draft`).
+        embed_weight: (V, H) the target's input-embedding table (shared, frozen, never saved, not moved by ``.to()``).
+            May be omitted and set later with :meth:`set_embedding` (e.g. after :func:`vat.export.load_draft`).
     """
 
     def __init__(self, config: Eagle3Config, embed_weight: torch.Tensor | None = None):
@@ -509,7 +513,7 @@ class Eagle3Drafter(nn.Module):
         d2t, t2d = identity_vocab_mapping(cfg.vocab_size, cfg.draft_vocab_size)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
-        self.embed_tokens: FrozenEmbedding | None = None
+        object.__setattr__(self, "_embedding", None)  # unregistered on purpose (see FrozenEmbedding)
         if embed_weight is not None:
             self.set_embedding(embed_weight)
 
@@ -520,7 +524,12 @@ class Eagle3Drafter(nn.Module):
         expected = (self.config.vocab_size, self.config.hidden_size)
         if tuple(weight.shape) != expected:
             raise VatError(f"embedding has shape {tuple(weight.shape)}, the draft expects {expected} (vocab, hidden)")
-        self.embed_tokens = FrozenEmbedding(weight)
+        object.__setattr__(self, "_embedding", FrozenEmbedding(weight))
+
+    @property
+    def embed_tokens(self) -> FrozenEmbedding | None:
+        """The frozen target embedding, or None before :meth:`set_embedding`."""
+        return self._embedding
 
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocabulary: ``d2t`` int64 (V_d,) offsets and ``t2d`` bool (V,) (validated)."""
@@ -541,7 +550,7 @@ class Eagle3Drafter(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
             raise VatError("the draft has no embedding: call set_embedding(target input embeddings) first")
-        return self.embed_tokens(input_ids).to(self._dtype)
+        return self.embed_tokens(input_ids).to(device=self.fc.weight.device, dtype=self._dtype)
 
     def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, 3*H_t) concatenated aux states -> (B, T, H) via the optional norms and ``fc``."""

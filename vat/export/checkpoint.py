@@ -281,9 +281,9 @@ def load_draft(
         first = str(err).replace("\n", " ").replace("\t", "")
         raise VatError(f"weights in {directory} do not fit its config: {first[:400]}") from None
     model.set_vocab_mapping(model.d2t, model.t2d)  # validates the loaded mapping
+    model.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
     if embed_weight is not None:
         model.set_embedding(embed_weight)
-    model.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
     return model.eval(), cfg
 
 
