@@ -747,7 +747,8 @@ class Eagle3Drafter(nn.Module):
             aux_hidden: (B, n, 3*H_t) target aux states of the newly accepted positions.
             input_ids: (B, n) the token FOLLOWING each of those positions (target vocab).
             num_steps: K, tokens to draft.
-            input_mask: (B, n) bool for ragged extends (rows that accepted fewer tokens); None = all real.
+            input_mask: (B, n) bool for ragged extends (rows that accepted fewer tokens; each row's valid entries
+                first); None = all real.
             temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
             generator: random generator for sampling.
             keep_chain_kv: keep the speculative entries of steps 1..K-1 in the cache.
