@@ -361,10 +361,12 @@ def prepare_chat(
 
 
 def _count_loss_tokens(ds) -> int:
+    import pyarrow.compute as pc
+
     total = 0
-    for batch in ds.select_columns(["loss_mask"]).iter(batch_size=1000):
-        total += sum(sum(m) for m in batch["loss_mask"])
-    return int(total)
+    for batch in ds.select_columns(["loss_mask"]).with_format("arrow").iter(batch_size=10000):
+        total += int(pc.sum(pc.list_flatten(batch["loss_mask"])).as_py() or 0)
+    return total
 
 
 def format_stats(stats: dict) -> str:

@@ -36,14 +36,14 @@ def count_tokens(dataset, vocab_size: int, batch_size: int = 1000) -> torch.Tens
     Raises:
         VatError: a token id is outside ``[0, vocab_size)``.
     """
+    import pyarrow.compute as pc
+
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for batch in dataset.select_columns(["input_ids", "loss_mask"]).iter(batch_size=batch_size):
-        ids = [t for row in batch["input_ids"] for t in row]
-        mask = [m for row in batch["loss_mask"] for m in row]
-        if not ids:
-            continue
-        ids_t = torch.tensor(ids, dtype=torch.int64)  # (N,)
-        sel = ids_t[torch.tensor(mask, dtype=torch.bool)]  # (N_loss,)
+    cols = dataset.select_columns(["input_ids", "loss_mask"]).with_format("arrow")
+    for batch in cols.iter(batch_size=batch_size):  # pyarrow tables: flatten the list columns without Python loops
+        ids = torch.from_numpy(pc.list_flatten(batch["input_ids"]).to_numpy(zero_copy_only=False).astype("int64"))
+        mask = torch.from_numpy(pc.list_flatten(batch["loss_mask"]).to_numpy(zero_copy_only=False).astype(bool))
+        sel = ids[mask]  # (N_loss,) tokens at loss-masked positions
         if sel.numel() and (int(sel.max()) >= vocab_size or int(sel.min()) < 0):
             raise VatError(f"token id {int(sel.max())} is outside the target vocabulary of size {vocab_size}")
         counts += torch.bincount(sel, minlength=vocab_size)
