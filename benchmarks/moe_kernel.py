@@ -8,7 +8,10 @@ forward through vat's Triton kernel and through a real HF experts module (``Olmo
 
 Reported per row: median time per forward (CUDA events, after warm-up, L2 flushed before every timed call), experts
 read and their weight bytes, achieved GB/s and fraction of the device's peak bandwidth, and the time ratios
-eager / triton and grouped_mm / triton (> 1 = the kernel is faster). Prints a Markdown table; ``--output`` writes JSON.
+eager / triton and grouped_mm / triton (> 1 = the kernel is faster). Two timings per implementation where possible:
+plain launches (what a HF forward pays, CPU launch overhead included) and CUDA-graph replay (GPU time only; the
+kernel path has no host sync, so it captures; ``eager`` syncs and is never captured). GB/s and % peak use the graph
+time when there is one. Prints a Markdown table; ``--output`` writes JSON.
 
 Usage::
 
@@ -55,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="untimed calls per implementation (includes autotuning)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per implementation (median reported)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
+    p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay timings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the rows as JSON here")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
@@ -140,19 +144,46 @@ def make_timer(device, warmup: int, iters: int, flush: bool) -> Callable[[Callab
     return time_cuda
 
 
-def bench_one(module, x, ids, weights, timer, fused_experts, record_experts_read) -> dict:
+def graph_timer(fn: Callable[[], object], timer) -> float | None:
+    """Median seconds of a CUDA-graph replay of ``fn``, or None if ``fn`` cannot be captured."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as err:
+        print(f"  (not graph-capturable: {str(err).splitlines()[0][:100]})", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+    return timer(graph.replay)
+
+
+def bench_one(module, x, ids, weights, timer, graphs: bool) -> dict:
     """Time one routing through the kernel and through the HF module's eager and grouped_mm forwards."""
     import torch
+    from vat.kernels.fused_moe import fused_experts, record_experts_read
 
     run_triton = functools.partial(fused_experts, x, module.gate_up_proj, module.down_proj, ids, weights)
     run_hf = functools.partial(module, x, ids, weights)
+    result: dict = {}
     with torch.no_grad():
         with record_experts_read() as calls:
             out = run_triton()
-        result = {"experts_read": len(calls[0].experts), "triton_s": timer(run_triton)}
+        result["experts_read"] = len(calls[0].experts)
+        result["triton_s"] = timer(run_triton)
+        result["triton_graph_s"] = graph_timer(run_triton, timer) if graphs else None
         for impl in IMPLS:
             module.config._experts_implementation = impl
             result[f"{impl}_s"] = timer(run_hf)
+        module.config._experts_implementation = "grouped_mm"
+        result["grouped_mm_graph_s"] = graph_timer(run_hf, timer) if graphs else None
         module.config._experts_implementation = "eager"
         expected = run_hf().float()
     err = (out.float() - expected).abs().max().item()
@@ -160,9 +191,17 @@ def bench_one(module, x, ids, weights, timer, fused_experts, record_experts_read
     return result
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None else None
+
+
+def _us(t: float | None) -> float | None:
+    return t * 1e6 if t is not None else None
+
+
 def bench(args: argparse.Namespace) -> list[dict]:
     import torch
-    from vat.kernels.fused_moe import expert_bytes, fused_experts, record_experts_read
+    from vat.kernels.fused_moe import expert_bytes
 
     device = torch.device("cuda" if not args.cpu_smoke else "cpu")
     dtype = getattr(torch, args.dtype) if not args.cpu_smoke else torch.float32
@@ -190,44 +229,59 @@ def bench(args: argparse.Namespace) -> list[dict]:
                     continue
                 ids, weights = make_routing(logits, spec["top_k"], spec["norm_topk_prob"], budget)
                 weights = weights.to(dtype)  # HF routers hand the experts weights in the model dtype
-                row = bench_one(module, x, ids, weights, timer, fused_experts, record_experts_read)
-                read = row["experts_read"]
-                bytes_read = read * per_expert
-                gbps = bytes_read / row["triton_s"] / 1e9
+                r = bench_one(module, x, ids, weights, timer, graphs=device.type == "cuda" and not args.no_graphs)
+                bytes_read = r["experts_read"] * per_expert
+                gpu_s = r["triton_graph_s"] or r["triton_s"]
+                gbps = bytes_read / gpu_s / 1e9
                 rows.append(
                     dict(
                         model=name, tokens=tokens, budget=budget, natural_union=union,
-                        experts_read=read, bytes_read=bytes_read,
-                        triton_us=row["triton_s"] * 1e6, triton_gbps=gbps, frac_peak=gbps / args.peak_gbps,
-                        eager_us=row["eager_s"] * 1e6, grouped_mm_us=row["grouped_mm_s"] * 1e6,
-                        eager_over_triton=row["eager_s"] / row["triton_s"],
-                        grouped_mm_over_triton=row["grouped_mm_s"] / row["triton_s"],
-                        max_abs_err_vs_eager=row["max_abs_err"], rel_err_vs_eager=row["rel_err"],
+                        experts_read=r["experts_read"], bytes_read=bytes_read,
+                        triton_us=_us(r["triton_s"]), triton_graph_us=_us(r["triton_graph_s"]),
+                        eager_us=_us(r["eager_s"]), grouped_mm_us=_us(r["grouped_mm_s"]),
+                        grouped_mm_graph_us=_us(r["grouped_mm_graph_s"]),
+                        triton_gbps=gbps, frac_peak=gbps / args.peak_gbps,
+                        gbps_from="graph" if r["triton_graph_s"] else "launch",
+                        eager_over_triton=_ratio(r["eager_s"], r["triton_s"]),
+                        grouped_mm_over_triton=_ratio(r["grouped_mm_s"], r["triton_s"]),
+                        grouped_mm_over_triton_graph=_ratio(r["grouped_mm_graph_s"], r["triton_graph_s"]),
+                        max_abs_err_vs_eager=r["max_abs_err"], rel_err_vs_eager=r["rel_err"],
                     )
                 )  # fmt: skip
                 print(format_row(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
-HEADER = (
-    "| model | T | B | union | experts read | MB read | triton µs | GB/s | % peak | eager µs | grouped_mm µs "
-    "| eager/triton | grouped_mm/triton | rel err |"
-)
+COLUMNS = [  # (header, row key, format)
+    ("model", "model", "{}"), ("T", "tokens", "{}"), ("B", "budget", "{}"), ("union", "natural_union", "{}"),
+    ("experts read", "experts_read", "{}"), ("MB read", "bytes_read", "mb"),
+    ("triton µs", "triton_us", "{:.1f}"), ("triton graph µs", "triton_graph_us", "{:.1f}"),
+    ("GB/s", "triton_gbps", "{:.0f}"), ("% peak", "frac_peak", "pct"),
+    ("eager µs", "eager_us", "{:.1f}"), ("grouped_mm µs", "grouped_mm_us", "{:.1f}"),
+    ("grouped_mm graph µs", "grouped_mm_graph_us", "{:.1f}"),
+    ("eager/triton", "eager_over_triton", "{:.2f}"), ("grouped_mm/triton", "grouped_mm_over_triton", "{:.2f}"),
+    ("grouped_mm/triton (graph)", "grouped_mm_over_triton_graph", "{:.2f}"), ("rel err", "rel_err_vs_eager", "{:.1e}"),
+]  # fmt: skip
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "none" if fmt == "{}" else "-"
+    if fmt == "mb":
+        return f"{value / 1e6:.1f}"
+    if fmt == "pct":
+        return f"{100 * value:.1f}"
+    return fmt.format(value)
 
 
 def format_row(r: dict) -> str:
-    budget = "none" if r["budget"] is None else str(r["budget"])
-    return (
-        f"| {r['model']} | {r['tokens']} | {budget} | {r['natural_union']} | {r['experts_read']} "
-        f"| {r['bytes_read'] / 1e6:.1f} | {r['triton_us']:.1f} | {r['triton_gbps']:.0f} | {100 * r['frac_peak']:.1f} "
-        f"| {r['eager_us']:.1f} | {r['grouped_mm_us']:.1f} | {r['eager_over_triton']:.2f} "
-        f"| {r['grouped_mm_over_triton']:.2f} | {r['rel_err_vs_eager']:.1e} |"
-    )
+    return "| " + " | ".join(_cell(r[key], fmt) for _, key, fmt in COLUMNS) + " |"
 
 
 def format_table(rows: list[dict]) -> str:
-    sep = "|" + "|".join("---" for _ in range(HEADER.count("|") - 1)) + "|"
-    return "\n".join([HEADER, sep] + [format_row(r) for r in rows])
+    header = "| " + " | ".join(h for h, _, _ in COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    return "\n".join([header, sep] + [format_row(r) for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         meta = dict(
             device=device, dtype=dtype, peak_gbps=args.peak_gbps, warmup=args.warmup, iters=args.iters,
-            l2_flushed=flushed, torch=torch.__version__, seed=args.seed,
+            l2_flushed=flushed, cuda_graphs=not args.no_graphs and not args.cpu_smoke, torch=torch.__version__,
+            seed=args.seed,
         )  # fmt: skip
         with open(args.output, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)

@@ -79,8 +79,9 @@ def _check_ids(topk_ids: torch.Tensor) -> None:
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int) -> Alignment:
     """Group the pairs of ``topk_ids`` by expert, padded per expert to ``block_size`` (sentinel slots skipped).
 
-    No host sync on CUDA: buffers are sized by :func:`max_blocks_bound`. Ids outside ``[0, num_experts]`` raise a
-    :class:`VatError` on CPU; on CUDA they trip an asynchronous device assertion (and are never dereferenced).
+    No host sync on CUDA (so the forward is CUDA-graph capturable): buffers are sized by :func:`max_blocks_bound`.
+    Ids outside ``[0, num_experts]`` raise a :class:`VatError` on CPU; on CUDA they trip the device-side bounds
+    assertion of the counting scatter (checking on the host would cost a sync per layer).
 
     Args:
         topk_ids: ``(T, k)`` integer expert ids in ``[0, num_experts]``; ``num_experts`` marks a dropped slot.
@@ -96,19 +97,16 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int) 
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)  # (P,)
     num_pairs = flat.numel()
-    in_range = (flat >= 0) & (flat <= num_experts)  # (P,)
-    if device.type == "cpu":
+    if device.type == "cpu":  # free to check here; on CUDA the scatter below bounds-checks on the device
+        in_range = (flat >= 0) & (flat <= num_experts)  # (P,)
         if not bool(in_range.all()):
             bad = flat[~in_range][0].item()
             raise VatError(
                 f"expert id {bad} out of range: ids must lie in [0, {num_experts}] ({num_experts} = dropped)"
             )
-    else:
-        torch._assert_async(in_range.all(), "vat.kernels: expert ids must lie in [0, num_experts]")
-    flat = torch.where(in_range, flat, num_experts)  # (P,) never index with an invalid id
 
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E + 1,) last bin = dropped slots
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E + 1,) last bin = dropped slots; bad ids assert
     counts = counts[:num_experts]  # (E,)
     blocks_per_expert = (counts + block_size - 1) // block_size  # (E,)
     block_end = torch.cumsum(blocks_per_expert, 0)  # (E,) exclusive end block of each expert

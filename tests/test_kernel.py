@@ -234,6 +234,7 @@ def test_explicit_small_blocks_and_transposed_interleaved_biased_layout():
     w2 = torch.randn(E, inter, H) * inter**-0.5  # (E, I, H)
     b1, b2 = torch.randn(E, 2 * inter), torch.randn(E, H)
     kw = dict(gate_up_bias=b1, down_bias=b2, layout=layout)
+    ids[0, 1], ids[3] = E, E  # dropped slots: biases must not leak into them either
     torch.testing.assert_close(
         fused_experts(x, w1, w2, ids, weights, **kw), fused_experts_reference(x, w1, w2, ids, weights, **kw)
     )
