@@ -18,6 +18,18 @@ from vat.cli import main as vat_main
 from vat.errors import VatError
 from vat.target import load_target
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread; on a shared, loaded CPU two OpenMP threads can be 100x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 V, L, E, K = 20, 3, 6, 2
 
 

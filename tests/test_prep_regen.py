@@ -12,6 +12,18 @@ from vat.data_prep.regen import Regenerator, regenerate_file
 
 from vat.cli import main as vat_main
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread; on a shared, loaded CPU two OpenMP threads can be 100x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 CHATS = [
     {
         "id": "a",
@@ -125,3 +137,17 @@ def test_cli_regen_with_limit(target_dir, tmp_path, capsys):
     assert (
         vat_main(["prep", "regen", "--target", str(tmp_path / "none"), "--input", str(src), "--output", str(out)]) == 2
     )
+
+
+def test_sampling_is_seeded_and_differs_from_greedy(target_dir):
+    import torch
+
+    prompt = [[{"role": "user", "content": "Hello there!"}]] * 4
+    sampler = _regen(target_dir, max_new_tokens=8, temperature=1.5)
+    torch.manual_seed(0)
+    first = sampler.generate(prompt)
+    torch.manual_seed(0)
+    assert sampler.generate(prompt) == first  # reproducible under a seed
+    greedy = _regen(target_dir, max_new_tokens=8).generate(prompt)
+    assert len({g for g, _ in greedy}) == 1  # greedy rows are identical ...
+    assert len({s for s, _ in first}) > 1  # ... sampled rows are not (random tiny model, high temperature)
