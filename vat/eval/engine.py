@@ -36,6 +36,7 @@ class RoundStats:
 
     Attributes:
         drafted: drafted tokens in the verification block (block length - 1; 0 for AR).
+        depth: draft positions offered (chain: drafted; tree: its deepest level).
         accepted: drafts accepted (a).
         reached: draft positions reached by the left-to-right check (chain: min(a + 1, drafted)).
         committed: tokens committed this round and kept (a + 1, fewer when EOS / max-new-tokens cut the round).
@@ -43,6 +44,7 @@ class RoundStats:
     """
 
     drafted: int
+    depth: int
     accepted: int
     reached: int
     committed: int = 0
@@ -197,7 +199,7 @@ class SpeculativeEngine:
         block = torch.tensor([[root]], device=self.target.device)  # (1, 1)
         out = self.target.forward(block, past_key_values=cache, use_cache=True, budget=self.budget, output_aux=False)
         token = choose_token(out.logits[0, -1], self.temperature, generator)
-        stats = RoundStats(drafted=0, accepted=0, reached=0, union=self._union(out.topk_ids))
+        stats = RoundStats(drafted=0, depth=0, accepted=0, reached=0, union=self._union(out.topk_ids))
         return _Outcome(stats=stats, tokens=[token], aux=None)
 
     def _chain_round(self, cache, state: DraftState, head: DraftHead, root: int, generator) -> _Outcome:
@@ -210,7 +212,7 @@ class SpeculativeEngine:
         crop_cache(cache, n + a + 1)
         drafted = int(draft.tokens.shape[0])
         stats = RoundStats(
-            drafted=drafted, accepted=a, reached=min(a + 1, drafted), union=self._union(out.topk_ids)
+            drafted=drafted, depth=drafted, accepted=a, reached=min(a + 1, drafted), union=self._union(out.topk_ids)
         )
         tokens = draft.tokens[:a].tolist() + [verdict.next_token]
         return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, : a + 1])
@@ -229,6 +231,9 @@ class SpeculativeEngine:
         path = torch.tensor(verdict.path, device=device)  # (a + 1,) block indices, root first
         select_cache_positions(cache, torch.cat([torch.arange(n, device=device), n + path]))
         a = len(verdict.path) - 1
-        stats = RoundStats(drafted=len(tree), accepted=a, reached=verdict.reached, union=self._union(out.topk_ids))
+        stats = RoundStats(
+            drafted=len(tree), depth=max(tree.depths, default=0), accepted=a, reached=verdict.reached,
+            union=self._union(out.topk_ids),
+        )
         tokens = [tree.tokens[b - 1] for b in verdict.path[1:]] + [verdict.next_token]
         return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, path])

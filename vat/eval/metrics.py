@@ -36,13 +36,13 @@ def _ratio(num: float, den: float) -> float | None:
 
 
 def acceptance_by_position(rounds: Sequence) -> dict[str, list]:
-    """Acceptance per draft position k = 1..K_max over verification rounds.
+    """Acceptance per draft position k = 1..K_max (the deepest position drafted) over verification rounds.
 
     ``conditional[k]`` = P(draft k accepted | the check reached position k); ``unconditional[k]`` = accepted at k /
     rounds with at least one draft (vLLM's ``acceptance_at_pos``). Counts are given too.
     """
     drafting = [r for r in rounds if r.drafted > 0]
-    depth = max((max(r.reached, r.accepted) for r in drafting), default=0)
+    depth = max((r.depth for r in drafting), default=0)
     reached = [sum(r.reached >= k for r in drafting) for k in range(1, depth + 1)]
     accepted = [sum(r.accepted >= k for r in drafting) for k in range(1, depth + 1)]
     return {

@@ -1,0 +1,121 @@
+"""The three figures of an evaluation (matplotlib, Agg backend): τ per benchmark, acceptance by position, and the
+expert-union vs τ trade-off across budgets."""
+
+from __future__ import annotations
+
+import os
+
+AR_LABEL = "none"
+NO_BUDGET = "none"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _reference_budget(per_budget: dict) -> str:
+    """The natural-routing pass when there is one, else the first budget evaluated."""
+    return NO_BUDGET if NO_BUDGET in per_budget else next(iter(per_budget))
+
+
+def _drafts(result: dict) -> list[str]:
+    labels = [d for d in result["results"] if d != AR_LABEL]
+    return labels or [AR_LABEL]
+
+
+def plot_tau_by_benchmark(result: dict, path: str) -> str:
+    """Grouped bars: τ (tokens per verification round) per benchmark, one bar per draft (natural routing)."""
+    plt = _pyplot()
+    benches = result["benchmarks"]
+    drafts = _drafts(result)
+    width = 0.8 / max(len(drafts), 1)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(benches) + 2), 4))
+    for i, draft in enumerate(drafts):
+        per_budget = result["results"][draft]
+        budget = _reference_budget(per_budget)
+        taus = [(per_budget[budget].get(b) or {}).get("tau") or 0.0 for b in benches]
+        xs = [j + (i - (len(drafts) - 1) / 2) * width for j in range(len(benches))]
+        bars = ax.bar(xs, taus, width=width, label=f"{draft}" + ("" if budget == NO_BUDGET else f" (B={budget})"))
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1, label="autoregressive (τ = 1)")
+    ax.set_xticks(range(len(benches)), benches)
+    ax.set_xlabel("benchmark")
+    ax.set_ylabel("τ (tokens committed per verification round)")
+    ax.set_title("Acceptance length per benchmark")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_accept_by_position(result: dict, path: str) -> str:
+    """Lines: P(draft k accepted | position k reached) per draft (solid) and unconditional (dashed), all benchmarks."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for draft in _drafts(result):
+        per_budget = result["pooled"].get(draft, {})
+        if not per_budget:
+            continue
+        budget = _reference_budget(per_budget)
+        acc = per_budget[budget]["accept_by_position"]
+        ks = list(range(1, len(acc["conditional"]) + 1))
+        if not ks:
+            continue
+        label = draft + ("" if budget == NO_BUDGET else f" (B={budget})")
+        line = ax.plot(ks, [v or 0.0 for v in acc["conditional"]], marker="o", label=f"{label}: conditional")[0]
+        ax.plot(ks, [v or 0.0 for v in acc["unconditional"]], marker="x", linestyle="--", color=line.get_color(),
+                label=f"{label}: unconditional")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("acceptance rate (fraction of rounds)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by draft position (all benchmarks)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_union_vs_tau(result: dict, path: str) -> str:
+    """Pareto scatter: mean experts per MoE layer per verification round (x) vs τ (y), one line per draft through
+    its budgets; the autoregressive baseline as a reference point."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for draft, per_budget in result["pooled"].items():
+        points = [(m["union_per_round"]["mean"], m["tau"], b) for b, m in per_budget.items()
+                  if m["union_per_round"]["mean"] is not None and m["tau"] is not None]
+        if not points:
+            continue
+        if draft == AR_LABEL:
+            ax.scatter([p[0] for p in points], [p[1] for p in points], marker="s", color="grey",
+                       label="autoregressive")
+            continue
+        points.sort(key=lambda p: p[0])
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=draft)
+        for x, y, b in points:
+            ax.annotate(f"B={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("expert union (experts per MoE layer per verification round)")
+    ax.set_ylabel("τ (tokens committed per verification round)")
+    ax.set_title("Expert union vs acceptance length across budgets")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_plots(result: dict, output: str) -> dict[str, str]:
+    """Write the three PNGs into ``output``; return ``{title: path}``."""
+    return {
+        "τ per benchmark": plot_tau_by_benchmark(result, os.path.join(output, "tau_by_benchmark.png")),
+        "acceptance by position": plot_accept_by_position(result, os.path.join(output, "accept_by_position.png")),
+        "expert union vs τ": plot_union_vs_tau(result, os.path.join(output, "union_vs_tau.png")),
+    }

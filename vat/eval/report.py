@@ -1,0 +1,152 @@
+"""Write an evaluation's outputs: ``eval.json``, ``report.md`` (tables a person reads) and the PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+
+MIB = 1024.0 * 1024.0
+ACCEPT_COLUMNS = 3  # acceptance-by-position columns shown in the tables
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write JSON atomically (temporary file + rename)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_outputs(result: dict, output: str, plots: bool = True) -> dict[str, str]:
+    """Write ``eval.json``, ``report.md`` and (``plots``) the PNGs into ``output``; return their paths by name."""
+    os.makedirs(output, exist_ok=True)
+    paths = {"eval.json": os.path.join(output, "eval.json"), "report.md": os.path.join(output, "report.md")}
+    figures: dict[str, str] = {}
+    if plots:
+        from vat.eval.plots import write_plots
+
+        figures = write_plots(result, output)
+        paths.update(figures)
+    write_json(paths["eval.json"], result)
+    with open(paths["report.md"], "w") as f:
+        f.write(render_report(result, {k: os.path.basename(v) for k, v in figures.items()}))
+    return paths
+
+
+# ---- formatting -------------------------------------------------------------------------------------------------------
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def _accept(metrics: dict, k: int) -> str:
+    cond = metrics["accept_by_position"]["conditional"]
+    return _fmt(cond[k]) if k < len(cond) else "–"
+
+
+def _row(draft: str, budget: str, m: dict) -> str:
+    union = m["union_per_round"]
+    bytes_tok = m["expert_bytes_per_token"]
+    cells = [
+        draft, budget, _fmt(m["tau"]), *[_accept(m, k) for k in range(ACCEPT_COLUMNS)],
+        _fmt(m["verified_tokens_per_round"], 1), _fmt(union["mean"], 1), _fmt(union["p90"], 0),
+        _fmt(None if bytes_tok is None else bytes_tok / MIB, 3), _fmt(m["target_forwards_per_token"], 3),
+        _fmt(m["tokens_per_s"], 1), _fmt(m["speedup_vs_ar"]), str(m["n_prompts"]), str(m["n_rounds"]),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = (
+    "| draft | budget | τ | " + " | ".join(f"acc@{k + 1}" for k in range(ACCEPT_COLUMNS))
+    + " | verified/round | union/layer/round | union p90 | expert MiB/token | target fwd/token | tok/s | speed-up"
+    " | prompts | rounds |"
+)
+
+
+def _separator() -> str:
+    return "|" + "---|" * (HEADER.count("|") - 1)
+
+
+def metrics_table(per_config: list[tuple[str, str, dict]]) -> str:
+    """A Markdown table with one row per (draft, budget, metrics)."""
+    lines = [HEADER, _separator()]
+    lines += [_row(d, b, m) for d, b, m in per_config]
+    return "\n".join(lines)
+
+
+def _configs(result: dict, benchmark: str | None) -> list[tuple[str, str, dict]]:
+    rows = []
+    for draft, per_budget in result["results"].items():
+        for budget in per_budget:
+            m = result["pooled"][draft][budget] if benchmark is None else per_budget[budget].get(benchmark)
+            if m is not None:
+                rows.append((draft, budget, m))
+    return rows
+
+
+def category_table(result: dict, benchmark: str) -> str:
+    """τ per category (rows) for every draft x budget (columns)."""
+    configs = [(d, b, pb[benchmark]) for d, per in result["results"].items() for b, pb in per.items() if benchmark in pb]
+    cats = []
+    for _, _, m in configs:
+        cats += [c for c in m["categories"] if c not in cats]
+    head = "| category | " + " | ".join(f"{d} B={b}" for d, b, _ in configs) + " |"
+    lines = [head, "|---|" + "---|" * len(configs)]
+    for c in cats:
+        cells = [_fmt(m["categories"].get(c, {}).get("tau")) for _, _, m in configs]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_summary(result: dict) -> str:
+    """The pooled table plus one table per benchmark (what `vat eval` prints)."""
+    parts = ["All benchmarks pooled:", "", metrics_table(_configs(result, None))]
+    for name in result["benchmarks"]:
+        parts += ["", f"{name}:", "", metrics_table(_configs(result, name))]
+    return "\n".join(parts)
+
+
+def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
+    """The full ``report.md``."""
+    s = result["settings"]
+    info = result["target_info"]
+    tree = s["tree"]
+    drafting = (f"dynamic tree top_k={tree['top_k']} depth={tree['depth']} total_tokens={tree['total_tokens']}"
+                if tree else f"chain K={s['steps']}")
+    lines = [
+        "# vat eval report",
+        "",
+        f"- target: `{result['target']}` ({info['num_experts']} experts, top-{info['top_k']}, "
+        f"{len(info['moe_layer_ids'])} MoE layers, {info['dtype']} on {info['device']})",
+        f"- drafting: {drafting}; temperature {s['temperature']}; budgets {s['budgets']} (policy {s['policy']}); "
+        f"vh threshold {s['vh_threshold']}",
+        f"- max new tokens {s['max_new_tokens']} per turn; limit {s['limit']} prompts per benchmark; batch size 1; "
+        f"seed {s['seed']}; {result['seconds']:.0f} s in all",
+        "- drafts: " + ", ".join(f"`{k}`" + (f" ({v['path']})" if v["path"] else " (autoregressive baseline)")
+                                  for k, v in result["drafts"].items()),
+        "",
+        "τ = tokens committed per verification round (accepted drafts + 1); acc@k = P(draft k accepted | position k "
+        "reached); union = distinct experts executed per MoE layer per verification forward (routing captured from "
+        "the forward itself); speed-up = tokens/s over the autoregressive baseline measured in the same run. "
+        "Definitions: docs/eval.md.",
+        "",
+        "## All benchmarks pooled",
+        "",
+        metrics_table(_configs(result, None)),
+    ]
+    for name in result["benchmarks"]:
+        skipped = result["skipped"].get(name, {}).get("too_long", 0)
+        lines += ["", f"## {name}", ""]
+        if skipped:
+            lines += [f"{skipped} prompt(s) skipped: too long for the target's positions.", ""]
+        lines += [metrics_table(_configs(result, name)), "", "τ per category:", "", category_table(result, name)]
+    if figures:
+        lines += ["", "## Figures", ""]
+        lines += [f"![{title}]({path})" for title, path in figures.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,406 @@
+"""`vat eval`: real speculative decoding over benchmarks, per draft x expert budget; eval.json, report, plots.
+
+Entry points: :func:`main` (the CLI: setup -> run -> write) and :func:`run_eval` (programmatic, plain arguments,
+returns the eval.json dict). The autoregressive baseline (draft ``none``) always runs once per benchmark with natural
+routing, on the same prompts in the same process: it is the denominator of ``speedup_vs_ar``. Budgets apply to the
+verification forwards of the drafts only (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vat.errors import VatError
+from vat.eval.engine import SpeculativeEngine
+from vat.eval.metrics import PromptRun, by_category, set_speedups, summarize
+from vat.eval.prompts import decode, eos_token_ids, render_chat
+from vat.eval.tree import TreeSpec
+
+AR_LABEL = "none"
+NO_BUDGET = "none"
+EVAL_FORMAT_VERSION = 1
+
+
+@dataclass
+class DraftEntry:
+    """One draft to evaluate: its label, where it came from, the loaded model (None = AR) and its aux layers."""
+
+    label: str
+    path: str | None
+    model: Any = None
+    aux_layer_ids: list[int] | None = None
+    vh_threshold: float | None = None
+
+
+@dataclass
+class RunConfig:
+    """One pass over a benchmark: a draft (or AR) under one budget."""
+
+    draft: DraftEntry
+    budget: int | None
+
+    @property
+    def budget_label(self) -> str:
+        return NO_BUDGET if self.budget is None else str(self.budget)
+
+
+# ---- argument parsing -----------------------------------------------------------------------------------------------
+
+
+def parse_budgets(text: str | None) -> list[int | None]:
+    """``"none,8,4"`` -> ``[None, 8, 4]`` (order kept, duplicates dropped)."""
+    out: list[int | None] = []
+    for part in str(text or NO_BUDGET).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        if part in ("none", "null", "off"):
+            value = None
+        else:
+            try:
+                value = int(part)
+            except ValueError:
+                raise VatError(f"--budget takes a comma list of integers or `none`, got `{part}`") from None
+            if value < 1:
+                raise VatError(f"expert budget must be >= 1, got {value}")
+        if value not in out:
+            out.append(value)
+    return out or [None]
+
+
+def _draft_label(path: str, taken: set[str]) -> str:
+    parts = os.path.normpath(path).split(os.sep)
+    label = "/".join(parts[-2:]) if len(parts) > 1 and (parts[-1] == "final" or parts[-1].startswith("step")) else parts[-1]
+    base, i = label, 1
+    while label in taken or label == AR_LABEL:
+        i += 1
+        label = f"{base}#{i}"
+    taken.add(label)
+    return label
+
+
+# ---- loading ----------------------------------------------------------------------------------------------------------
+
+
+def _load_drafts(drafts: list[Any]) -> list[DraftEntry]:
+    from vat.drafters.eagle3 import Eagle3Drafter
+    from vat.export.checkpoint import load_draft
+
+    entries, taken = [], set()
+    for i, spec in enumerate(drafts):
+        if spec is None or (isinstance(spec, str) and spec.lower() == AR_LABEL):
+            continue
+        if isinstance(spec, Eagle3Drafter):
+            entries.append(DraftEntry(label=_draft_label(f"draft{i}", taken), path=None, model=spec))
+            continue
+        path = str(spec)
+        model, _ = load_draft(path)
+        entries.append(DraftEntry(label=_draft_label(path, taken), path=path, model=model))
+    return entries
+
+
+def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str | None):
+    from vat.target import FrozenTarget, load_target
+
+    if isinstance(target, FrozenTarget):
+        return target
+    first_ids = drafts[0].model.config.aux_layer_ids if drafts else None
+    if target is None:
+        paths = [d.model.config.target_path for d in drafts if d.model.config.target_path]
+        if not paths:
+            raise VatError("no --target given and no draft records the target it was trained for")
+        if len(set(paths)) > 1:
+            warnings.warn(f"drafts were trained for different targets {sorted(set(paths))}; using {paths[0]}", stacklevel=2)
+        target = paths[0]
+    return load_target(target, dtype=dtype, device=device, aux_layer_ids=first_ids)
+
+
+def _attach(drafts: list[DraftEntry], target, vh_threshold: float | None) -> None:
+    """Check each draft against the target, give it the target's embedding, device and dtype."""
+    from vat.drafters.eagle3 import check_draft_matches_target
+
+    with_vh = [d for d in drafts if d.model.verification_head is not None]
+    if vh_threshold is not None and drafts and not with_vh:
+        raise VatError("--vh-threshold needs a draft with a verification head; none of the drafts has one")
+    for d in drafts:
+        cfg = d.model.config
+        d.aux_layer_ids = check_draft_matches_target(cfg, target.hidden_size, target.vocab_size, target.num_layers)
+        d.model.set_embedding(target.embed_tokens().weight)
+        d.model.to(device=target.device, dtype=target.dtype).eval()
+        if vh_threshold is not None and d.model.verification_head is None:
+            warnings.warn(f"draft {d.label} has no verification head: --vh-threshold ignored for it", stacklevel=2)
+        else:
+            d.vh_threshold = vh_threshold
+
+
+def _load_tokenizer(tokenizer: Any, target) -> Any:
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    path = tokenizer or target.path
+    if not path:
+        raise VatError("the target was given as a model object: pass its tokenizer too")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise VatError(f"cannot load the tokenizer of `{path}`: {str(err).splitlines()[0]}") from None
+
+
+# ---- decoding ---------------------------------------------------------------------------------------------------------
+
+
+def _fits(tokenizer, prompt, max_new_tokens: int, block: int, max_positions: int | None) -> bool:
+    """Whether the whole conversation (every turn answered with max_new_tokens) fits the target's positions."""
+    if not max_positions:
+        return True
+    messages = []
+    for turn in prompt.turns:
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
+    length = len(render_chat(tokenizer, messages[:-1])) + len(prompt.turns) * (max_new_tokens + 8)
+    return length + block <= max_positions
+
+
+def _generator(device: torch.device, seed: int, index: int, turn: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + index * 7919 + turn)
+    return gen
+
+
+def _decode_prompt(engine, tokenizer, prompt, index: int, seed: int) -> tuple[PromptRun, list[list[int]], list[str]]:
+    """Every turn of one prompt; the model's own answer goes back before the next user turn."""
+    messages: list[dict[str, str]] = []
+    gens, ids, texts = [], [], []
+    for turn, question in enumerate(prompt.turns):
+        messages.append({"role": "user", "content": question})
+        prompt_ids = render_chat(tokenizer, messages)
+        gen = engine.generate(prompt_ids, _generator(engine.target.device, seed, index, turn))
+        text = decode(tokenizer, gen.token_ids)
+        messages.append({"role": "assistant", "content": text})
+        gens.append(gen)
+        ids.append(gen.token_ids)
+        texts.append(text)
+    return PromptRun(question_id=prompt.question_id, category=prompt.category, turns=gens), ids, texts
+
+
+def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_new_tokens, eos):
+    drafter = config.draft.model
+    if config.draft.aux_layer_ids is not None:
+        target.aux_layer_ids = list(config.draft.aux_layer_ids)  # the features this draft reads
+    return SpeculativeEngine(
+        target, drafter, steps=steps, tree=tree if drafter is not None else None, temperature=temperature,
+        budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, max_new_tokens=max_new_tokens,
+        eos_token_ids=eos,
+    )
+
+
+def _run_config(engine, tokenizer, prompts, config: RunConfig, benchmark: str, temperature: float, seed: int,
+                out_file, progress: bool) -> list[PromptRun]:
+    from tqdm.auto import tqdm
+
+    warm = render_chat(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
+    saved, engine.max_new_tokens = engine.max_new_tokens, min(4, engine.max_new_tokens)
+    engine.generate(warm, _generator(engine.target.device, seed, -1, 0))  # warm-up, not timed
+    engine.max_new_tokens = saved
+    runs = []
+    desc = f"{benchmark} | {config.draft.label} | B={config.budget_label}"
+    for index, prompt in enumerate(tqdm(prompts, desc=desc, disable=not progress, leave=False)):
+        run, ids, texts = _decode_prompt(engine, tokenizer, prompt, index, seed)
+        runs.append(run)
+        if out_file is not None:
+            out_file.write(json.dumps({
+                "question_id": prompt.question_id, "category": prompt.category, "benchmark": benchmark,
+                "draft": config.draft.label, "budget": config.budget_label, "temperature": temperature,
+                "token_ids": ids, "text": texts,
+            }) + "\n")
+            out_file.flush()
+    return runs
+
+
+# ---- the programmatic entry point -------------------------------------------------------------------------------
+
+
+def run_eval(
+    *,
+    target: Any = None,
+    drafts: list[Any] | tuple = (AR_LABEL,),
+    benchmarks: list[str] | tuple = ("spec_bench",),
+    steps: int = 7,
+    tree: str | TreeSpec | None = None,
+    temperature: float = 0.0,
+    budgets: str | list[int | None] = NO_BUDGET,
+    policy: str = "substitute",
+    vh_threshold: float | None = None,
+    max_new_tokens: int = 256,
+    limit: int | None = None,
+    batch_size: int = 1,
+    seed: int = 0,
+    output: str | None = None,
+    tokenizer: Any = None,
+    dtype: str = "auto",
+    device: str | None = None,
+    progress: bool = True,
+    plots: bool = True,
+) -> dict:
+    """Evaluate drafts by real speculative decoding; write ``output/`` when given; return the eval.json dict.
+
+    Args:
+        target: target path (``tiny`` for the embedded one), a loaded ``FrozenTarget`` or model; None = the path the
+            first draft records (``target_path``).
+        drafts: draft directories (vat ``final/``, SGLang or speculators exports), ``Eagle3Drafter`` objects, or
+            ``none`` (the AR baseline always runs).
+        benchmarks: names or files for :func:`vat.eval.benchmarks.load_benchmark`.
+        steps: chain length K.
+        tree: ``"top_k,depth,total_tokens"`` or a :class:`TreeSpec` for dynamic trees (None = chain).
+        temperature: 0 = greedy, > 0 = rejection sampling.
+        budgets: ``"none,8,4"`` or a list (None = natural routing); each is a separate pass per draft.
+        policy: ``substitute`` or ``truncate``.
+        vh_threshold: stop drafting when the verification head's probability falls below this.
+        max_new_tokens: tokens generated per turn.
+        limit: prompts per benchmark.
+        batch_size: only 1 (prompts are decoded one at a time).
+        seed: seeds every sampled prompt/turn deterministically.
+        output: directory for eval.json, generations.jsonl, report.md and PNGs (None = write nothing).
+        tokenizer: tokenizer object or path (default: the target's directory).
+        dtype: target dtype (``auto`` = bf16 on GPU, fp32 on CPU).
+        device: target device (default CUDA if available).
+        progress: show tqdm bars.
+        plots: write the PNGs (with ``output``).
+
+    Returns:
+        The eval.json dict (schema in ``docs/eval.md``).
+    """
+    from vat.eval.benchmarks import load_benchmark
+
+    if batch_size != 1:
+        raise VatError(
+            f"--batch-size {batch_size}: vat eval decodes one prompt at a time (batch size 1, as EAGLE's and "
+            "Spec-Bench's speed measurements do); drop the flag"
+        )
+    if steps < 1:
+        raise VatError(f"--steps must be >= 1, got {steps}")
+    if temperature < 0:
+        raise VatError(f"--temperature must be >= 0, got {temperature}")
+    tree_spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
+    budget_list = parse_budgets(budgets) if isinstance(budgets, str) else list(budgets)
+    start = time.time()
+
+    entries = _load_drafts(list(drafts))
+    target_obj = _load_target(target, entries, dtype, device)
+    _attach(entries, target_obj, vh_threshold)
+    tok = _load_tokenizer(tokenizer, target_obj)
+    eos = eos_token_ids(tok, target_obj.model)
+    configs = [RunConfig(DraftEntry(AR_LABEL, None), None)]
+    configs += [RunConfig(d, b) for d in entries for b in budget_list]
+    block = 1 + max([steps if tree_spec is None else tree_spec.total_tokens] if entries else [0])
+    max_positions = getattr(target_obj.config, "max_position_embeddings", None)
+    bytes_per_layer = target_obj.expert_bytes_per_layer()
+    E = target_obj.num_experts
+
+    gen_file = None
+    if output:
+        os.makedirs(output, exist_ok=True)
+        gen_file = open(os.path.join(output, "generations.jsonl"), "w")
+    results: dict[str, dict[str, dict]] = {}
+    all_runs: dict[tuple[str, str], list[PromptRun]] = {}
+    skipped: dict[str, dict[str, int]] = {}
+    bench_names: list[str] = []
+    try:
+        for spec in benchmarks:
+            loaded = load_benchmark(spec, limit=limit)
+            name = loaded[0].benchmark
+            if not os.path.exists(spec) and ":" in spec and not spec.startswith("hf:"):
+                name += ":" + spec.rsplit(":", 1)[1]  # a category filter
+            name = _unique(name, bench_names)
+            prompts = [p for p in loaded if _fits(tok, p, max_new_tokens, block, max_positions)]
+            skipped[name] = {"too_long": len(loaded) - len(prompts)}
+            if not prompts:
+                warnings.warn(f"benchmark {name}: every prompt is too long for the target; skipped", stacklevel=2)
+                continue
+            bench_names.append(name)
+            for config in configs:
+                engine = _engine(target_obj, config, steps=steps, tree=tree_spec, temperature=temperature,
+                                 policy=policy, max_new_tokens=max_new_tokens, eos=eos)
+                runs = _run_config(engine, tok, prompts, config, name, temperature, seed, gen_file, progress)
+                metrics = summarize(runs, bytes_per_layer, E)
+                metrics["categories"] = by_category(runs, bytes_per_layer, E)
+                results.setdefault(config.draft.label, {}).setdefault(config.budget_label, {})[name] = metrics
+                all_runs.setdefault((config.draft.label, config.budget_label), []).extend(runs)
+    finally:
+        if gen_file is not None:
+            gen_file.close()
+
+    pooled: dict[str, dict[str, dict]] = {}
+    for (label, budget), runs in all_runs.items():
+        pooled.setdefault(label, {})[budget] = summarize(runs, bytes_per_layer, E)
+    ar = results.get(AR_LABEL, {}).get(NO_BUDGET, {})
+    for label, per_budget in results.items():
+        for budget, per_bench in per_budget.items():
+            for name, metrics in per_bench.items():
+                set_speedups(metrics, ar.get(name))
+            set_speedups(pooled[label][budget], pooled.get(AR_LABEL, {}).get(NO_BUDGET))
+
+    result = {
+        "vat_eval_version": EVAL_FORMAT_VERSION,
+        "target": target_obj.path,
+        "target_info": {
+            "num_experts": E, "top_k": target_obj.top_k, "moe_layer_ids": list(target_obj.moe_layer_ids),
+            "expert_bytes_per_layer": bytes_per_layer, "dtype": str(target_obj.dtype).replace("torch.", ""),
+            "device": str(target_obj.device),
+        },
+        "settings": {
+            "mode": "tree" if tree_spec is not None else "chain", "steps": steps,
+            "tree": None if tree_spec is None else vars(tree_spec), "temperature": temperature,
+            "budgets": [NO_BUDGET if b is None else b for b in budget_list], "policy": policy,
+            "vh_threshold": vh_threshold, "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": 1,
+            "seed": seed,
+        },
+        "drafts": {
+            AR_LABEL: {"path": None, "mode": "ar", "verification_head": False, "vh_threshold": None},
+            **{d.label: {"path": d.path, "mode": "tree" if tree_spec is not None else "chain",
+                         "verification_head": d.model.verification_head is not None,
+                         "vh_threshold": d.vh_threshold} for d in entries},
+        },
+        "benchmarks": bench_names,
+        "skipped": skipped,
+        "results": results,
+        "pooled": pooled,
+        "seconds": time.time() - start,
+    }
+    if output:
+        from vat.eval.report import write_outputs
+
+        write_outputs(result, output, plots=plots)
+    return result
+
+
+def _unique(name: str, taken: list[str]) -> str:
+    out, i = name, 1
+    while out in taken:
+        i += 1
+        out = f"{name}#{i}"
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `vat eval` (setup -> run -> write)."""
+    from vat.eval.report import markdown_summary
+
+    drafts = args.draft or [AR_LABEL]
+    result = run_eval(
+        target=args.target, drafts=drafts, benchmarks=args.benchmark or ["spec_bench"], steps=args.steps,
+        tree=args.tree, temperature=args.temperature, budgets=args.budget, policy=args.policy,
+        vh_threshold=args.vh_threshold, max_new_tokens=args.max_new_tokens, limit=args.limit,
+        batch_size=args.batch_size, seed=args.seed, output=args.output,
+    )
+    print(markdown_summary(result))
+    print(f"wrote {os.path.join(args.output, 'eval.json')}, generations.jsonl, report.md and plots")
+    return 0
