@@ -56,6 +56,7 @@ class Trainer:
         self.nonfinite_total = 0
         self.nonfinite_streak = 0
         self.tracker = None
+        self.vh_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (VH logits, survival) since the last log
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -216,8 +217,8 @@ class Trainer:
         return replace(self.budget, offset=rng.randrange(self.budget_window))
 
     def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from vat.losses import routing_onehot, vat_objective
-        from vat.verify import target_dist
+        from vat.losses import ttt_anchor_routing, vat_objective
+        from vat.verify import simulate_verification, target_dist
 
         input_ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         tout = self.target.forward(input_ids, attention_mask=attention, budget=budget)
@@ -226,14 +227,16 @@ class Trainer:
         dist = target_dist(tout.logits, self.draft_to_target)  # fields (B, T, ·)
         gathered, valid = dist.gather_ttt(self.K, loss_mask, attention)  # (B, T, K, ·), (B, T, K)
         topk = tout.topk_ids  # (L', B, T, k)
-        # the verification block of anchor t starts with the root token t+1: its routing is known exactly
-        routing = routing_onehot(topk, self.target.num_experts)  # (B, T, L', E)
-        anchor_routing = torch.zeros_like(routing)
-        anchor_routing[:, :-1] = routing[:, 1:]
+        # the verification block of anchor t starts with the root token t+1, whose routing is known exactly
+        anchor_routing = ttt_anchor_routing(topk, self.target.num_experts)  # (B, T, L', E)
+        verification = simulate_verification(out.logits, gathered, valid, acceptance=self.switches.acceptance)
         loss, metrics = vat_objective(
             out.logits, gathered, valid, self.switches, vh_logits=out.vh_logits,
-            affinity=self.affinity.table(), anchor_routing=anchor_routing,
+            affinity=self.affinity.table(), anchor_routing=anchor_routing, verification=verification,
         )
+        if out.vh_logits is not None:  # kept for an exact AUC over the logging window
+            mask = verification.valid
+            self.vh_pairs.append((out.vh_logits.detach()[mask].float(), verification.survival.detach()[mask].float()))
         rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
         dropped_as_negative = topk.masked_fill(topk >= self.target.num_experts, -1)
         self.affinity.update(rows, dropped_as_negative, attention.bool())
@@ -331,14 +334,36 @@ class Trainer:
         }
         loss = self.accelerator.reduce(loss.to(self.device), reduction="mean")
         record: dict[str, Any] = {"step": self.step, "loss": float(loss)}
-        record.update(finalize_metrics(reduced))
+        for key, value in finalize_metrics(reduced).items():
+            if isinstance(value, (list, tuple)):  # per-step lists -> acc_0 ... acc_{K-1}
+                base = key[:-2] if key.endswith("_k") else key
+                record.update({f"{base}_{i}": _finite_or_none(v) for i, v in enumerate(value)})
+            else:
+                record[key] = _finite_or_none(value)
         record["lr"] = float(self.scheduler.get_last_lr()[0])
         if "grad_norm" in reduced:
             record["grad_norm"] = float(reduced["grad_norm"]) / self.accelerator.num_processes
         record["tokens"] = float(reduced.get("tokens", 0.0))
+        if self.vh_pairs:
+            record["vh_auc"] = _finite_or_none(self._vh_auc())
         record["nonfinite_skipped"] = self.nonfinite_total
         record["epoch"] = self.position.epoch
         return record
+
+    def _vh_auc(self) -> float:
+        """Exact ROC AUC of the verification head over every rank's positions since the last log."""
+        from vat.losses import binary_auc
+
+        scores = torch.cat([p[0] for p in self.vh_pairs]).to(self.device)
+        labels = torch.cat([p[1] for p in self.vh_pairs]).to(self.device)
+        self.vh_pairs.clear()
+        if self.accelerator.num_processes > 1:
+            scores = self.accelerator.pad_across_processes(scores, pad_index=float("nan"))
+            labels = self.accelerator.pad_across_processes(labels, pad_index=float("nan"))
+            scores, labels = self.accelerator.gather(scores), self.accelerator.gather(labels)
+            keep = ~torch.isnan(labels)
+            scores, labels = scores[keep], labels[keep]
+        return binary_auc(scores, labels)
 
     def _init_tracker(self) -> None:
         mode = self.cfg.logging.wandb.mode
@@ -388,6 +413,14 @@ class Trainer:
         return write_checkpoint(self.cfg.output_dir, self.step, fill, self.cfg.train.keep_last)
 
     def load_state(self, directory: str) -> None:
+        from vat.drafters.eagle3 import Eagle3Config, check_draft_matches_target
+
+        with open(os.path.join(directory, "config.json")) as f:
+            saved = json.load(f)
+        fields = {k: v for k, v in saved.items() if k in Eagle3Config.__dataclass_fields__}
+        check_draft_matches_target(
+            Eagle3Config(**fields), self.target.hidden_size, self.target.vocab_size, self.target.num_layers
+        )
         state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
         self.accelerator.unwrap_model(self.drafter).load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -422,6 +455,13 @@ class Trainer:
         if self.tracker is not None:
             self.tracker.finish()
         self.target.close()
+
+
+def _finite_or_none(value: Any) -> Any:
+    """JSON has no NaN: an undefined ratio (0 / 0) is logged as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _truncate_metrics(path: str, step: int) -> None:

@@ -573,6 +573,10 @@ class Eagle3Drafter(nn.Module):
 
     # -- training-time test ---------------------------------------------------------------------------------------
 
+    def forward(self, *args: Any, **kwargs: Any) -> Eagle3TTTOutput:
+        """The training forward is the TTT unroll (so DDP/FSDP wrappers run it): see :meth:`ttt_forward`."""
+        return self.ttt_forward(*args, **kwargs)
+
     def ttt_forward(
         self,
         aux_hidden: torch.Tensor,

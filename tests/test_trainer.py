@@ -1,0 +1,114 @@
+"""`vat train` end to end on a tiny saved OLMoE: metrics, checkpoints, exact resume, budgets, VAT switches."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from tiny_models import save_tiny_target
+
+from vat.cli import main as vat_main
+from vat.config import load_config
+from vat.errors import VatError
+from vat.trainer import main as train_main
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, spec_bench_file_module):
+    """A saved tiny OLMoE target and a prepared chat dataset built with its tokenizer."""
+    from vat.data_prep.chat import prepare_chat
+
+    root = tmp_path_factory.mktemp("train")
+    target = save_tiny_target(root / "target", "olmoe", num_experts=8, top_k=2)
+    rows = []
+    with open(spec_bench_file_module) as f:
+        for i, line in enumerate(f):
+            if i >= 48:
+                break
+            q = json.loads(line)["turns"][0][:200]
+            answer = " ".join(reversed(q.split()))[:160]
+            rows.append({"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": answer}]})
+    chats = root / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps(r) for r in rows))
+    prepare_chat(str(chats), target, str(root / "data"), max_length=256, progress=False)
+    return {"target": target, "data": str(root / "data"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def spec_bench_file_module():
+    from conftest import SPEC_BENCH
+
+    if not os.path.exists(SPEC_BENCH):
+        pytest.skip("Spec-Bench file not found")
+    return SPEC_BENCH
+
+
+def _cfg(ws, out, *extra):
+    return load_config(None, [
+        f"target.path={ws['target']}", f"data.train={ws['data']}", f"output_dir={out}", "data.tokens_per_batch=512",
+        "data.max_batch_size=4", "data.max_length=160", "drafter.draft_vocab_size=256", "train.max_steps=6", "train.save_every=3",
+        "train.lr=1e-3", "logging.progress=false", *extra,
+    ])
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_writes_metrics_checkpoints_and_final(workspace, tmp_path):
+    out = str(tmp_path / "run")
+    train_main(_cfg(workspace, out))
+    lines = _metrics(out)
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    for key in ("step", "loss", "tau_sim", "tokens_per_s", "acc_0", "acc_6", "cond_acc_0", "cond_acc_6", "union_sim"):
+        assert key in lines[0], key
+    assert all(1.0 <= r["tau_sim"] <= 8.0 for r in lines)
+    final = os.path.join(out, "final")
+    config = json.load(open(os.path.join(final, "config.json")))
+    assert config["target_path"] == workspace["target"]
+    assert os.path.exists(os.path.join(out, "checkpoints", "step_3", "trainer_state.pt"))
+    assert not any(name.startswith(".tmp") for name in os.listdir(os.path.join(out, "checkpoints")))
+
+
+def test_resume_after_kill_continues_to_the_same_numbers(workspace, tmp_path):
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    vat = ("method=vat", "loss.union_weight=0.1", "drafter.ttt_steps=4", "train.max_steps=5")
+    train_main(_cfg(workspace, full, *vat))
+    train_main(_cfg(workspace, killed, *vat, "train.stop_after=3"))
+    assert [r["step"] for r in _metrics(killed)] == [1, 2, 3]
+    assert not os.path.exists(os.path.join(killed, "final"))
+    train_main(_cfg(workspace, killed, *vat, "resume=auto"))
+    a, b = _metrics(full), _metrics(killed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for ra, rb in zip(a, b):
+        for key in ("loss", "tau_sim", "acc_0", "cond_acc_3", "vh_bce", "vh_auc", "union_sim", "lr", "grad_norm"):
+            assert ra[key] == rb[key], (ra["step"], key)
+
+
+def test_vat_with_budget_trains_and_logs_vh_and_union(workspace, tmp_path):
+    out = str(tmp_path / "vat")
+    train_main(_cfg(workspace, out, "method=vat", "budget.B=2", "loss.union_weight=0.1", "train.max_steps=3",
+                              "drafter.ttt_steps=3"))
+    last = _metrics(out)[-1]
+    for key in ("vh_bce", "vh_auc", "union_sim"):
+        assert key in last
+    assert 0 < last["union_sim"] <= 8
+
+
+def test_cli_train_with_recipe_and_overrides(workspace, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"method: eagle3\ntarget:\n  path: {workspace['target']}\ndata:\n  train: {workspace['data']}\n"
+                      "  tokens_per_batch: 1024\ndrafter:\n  draft_vocab_size: 256\n")
+    out = tmp_path / "cli"
+    assert vat_main(["train", str(recipe), "train.max_steps=2", f"output_dir={out}", "logging.progress=false"]) == 0
+    assert len(_metrics(str(out))) == 2
+
+
+def test_resume_with_another_target_fails_clearly(workspace, tmp_path):
+    out = str(tmp_path / "mismatch")
+    train_main(_cfg(workspace, out, "train.stop_after=3"))
+    other = save_tiny_target(tmp_path / "other", "olmoe", num_experts=8, top_k=2, hidden_size=32)
+    with pytest.raises(VatError, match="hidden"):
+        train_main(_cfg(workspace, out, f"target.path={other}", "resume=auto"))
