@@ -195,11 +195,11 @@ def _is_file_input(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or spec.endswith((".json", ".jsonl", ".gz"))
 
 
-def _prepare_output(path: str) -> None:
+def _check_output(path: str) -> None:
+    """Refuse to overwrite anything but an earlier prepared dataset (replaced only once the new one is written)."""
     if os.path.isdir(path) and os.listdir(path):
         if not os.path.exists(os.path.join(path, "dataset_info.json")):
             raise VatError(f"output directory exists and is not a prepared dataset (refusing to overwrite): {path}")
-        shutil.rmtree(path)
     elif os.path.exists(path) and not os.path.isdir(path):
         raise VatError(f"output path exists and is a file: {path}")
 
@@ -240,7 +240,7 @@ def prepare_chat(
     if isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer)
     method = mask_method(tokenizer)
-    _prepare_output(output)
+    _check_output(output)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     read = ReadStats()
@@ -318,6 +318,8 @@ def prepare_chat(
         final = final.remove_columns(["skip"]).select_columns(["input_ids", "loss_mask", "length", "id"])
         staging = output.rstrip("/") + f".tmp-{uuid.uuid4().hex[:8]}"
         final.save_to_disk(staging)
+        if os.path.isdir(output):
+            shutil.rmtree(output)
         os.replace(staging, output)
         tokens = int(sum(final["length"])) if len(final) else 0
         loss_tokens = _count_loss_tokens(final)

@@ -308,3 +308,21 @@ def test_render_diff_agrees_with_generation_markers_on_tricky_content():
     marked = encode_conversations(build_tokenizer(CHATML_GENERATION), convs)
     for p, m in zip(plain, marked):
         assert p.input_ids == m.input_ids and p.loss_mask == m.loss_mask
+
+
+def test_rerun_replaces_a_prepared_dataset_but_not_other_dirs(tmp_path):
+    from vat.errors import VatError
+
+    src = tmp_path / "chats.jsonl"
+    _bad_rows_file(src)
+    tok = build_tokenizer(CHATML)
+    out = tmp_path / "out"
+    prepare_chat(str(src), tok, str(out), max_length=128, progress=False)
+    stats = prepare_chat(str(src), tok, str(out), max_length=128, limit=1, progress=False)
+    assert stats["rows_kept"] == 1 and len(datasets.load_from_disk(str(out))) == 1
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(VatError, match="refusing to overwrite"):
+        prepare_chat(str(src), tok, str(other), progress=False)
+    assert (other / "keep.txt").read_text() == "mine"
