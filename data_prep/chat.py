@@ -284,7 +284,9 @@ def prepare_chat(
             "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
         }
     )
-    work = tempfile.mkdtemp(prefix=".vat-prep-", dir=os.path.dirname(os.path.abspath(output)))
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".vat-prep-", dir=parent)
     try:
         if not progress:
             datasets.disable_progress_bars()

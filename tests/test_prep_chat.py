@@ -135,7 +135,7 @@ def _bad_rows_file(path):
 def test_bad_rows_counted_good_rows_kept(tmp_path):
     src = tmp_path / "chats.jsonl"
     _bad_rows_file(src)
-    out = tmp_path / "prepared"
+    out = tmp_path / "new" / "sub" / "prepared"  # parents are created
     stats = prepare_chat(str(src), build_tokenizer(CHATML), str(out), max_length=128, progress=False)
     assert stats["rows_read"] == 10 and stats["rows_kept"] == 3
     expected = {
