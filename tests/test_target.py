@@ -12,10 +12,10 @@ from vat.errors import VatError
 from vat.target import (
     BudgetSpec,
     default_aux_layer_ids,
-    from_vllm_layer_ids,
     load_target,
-    to_sglang_capture_slots,
-    to_vllm_layer_ids,
+    vat_to_sglang_aux_ids,
+    vat_to_vllm_aux_ids,
+    vllm_to_vat_aux_ids,
     window_union,
 )
 from vat.target.accounting import contiguous_windows
@@ -238,9 +238,9 @@ def test_padding_is_never_budgeted_or_counted():
 
 def test_aux_layer_conventions():
     assert default_aux_layer_ids(32) == [1, 15, 28]
-    assert to_vllm_layer_ids([1, 15, 28]) == [2, 16, 29]
-    assert to_sglang_capture_slots([1, 15, 28]) == [2, 16, 29]
-    assert from_vllm_layer_ids(to_vllm_layer_ids([1, 15, 28])) == [1, 15, 28]
+    assert vat_to_vllm_aux_ids([1, 15, 28]) == [2, 16, 29]  # vLLM names the layer whose input it captures
+    assert vat_to_sglang_aux_ids([1, 15, 28]) == [1, 15, 28]  # SGLang config ids name layer outputs (+1 inside)
+    assert vllm_to_vat_aux_ids(vat_to_vllm_aux_ids([1, 15, 28])) == [1, 15, 28]
 
 
 def test_expert_bytes_from_shapes_and_dtype():

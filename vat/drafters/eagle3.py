@@ -36,17 +36,9 @@ from torch import nn
 
 from vat.drafters.common import RMSNorm, SwiGLUMLP, apply_rope, masked_attention, rope_cos_sin
 from vat.errors import VatError
+from vat.target.conventions import default_aux_layer_ids
 
 NUM_AUX_LAYERS = 3
-
-
-def default_aux_layer_ids(num_target_layers: int) -> list[int]:
-    """EAGLE-3's default low / mid / high layers in vat's convention: ``[1, L//2 - 1, L - 4]``, clamped into range.
-
-    Clamping only matters for tiny targets (L < 5), where ids may repeat; the draft still gets three slots.
-    """
-    ids = [1, num_target_layers // 2 - 1, num_target_layers - 4]
-    return [min(max(i, 0), num_target_layers - 1) for i in ids]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

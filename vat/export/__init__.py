@@ -2,7 +2,7 @@
 
 from vat.export.checkpoint import detect_format, load_draft, save_draft
 from vat.export.cli import export_draft
-from vat.export.conventions import (
+from vat.target.conventions import (
     VAT_AUX_CONVENTION,
     sglang_to_vat_aux_ids,
     vat_to_hf_hidden_states_index,

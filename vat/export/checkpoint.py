@@ -24,7 +24,7 @@ import torch
 
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter, identity_vocab_mapping
 from vat.errors import VatError
-from vat.export.conventions import (
+from vat.target.conventions import (
     VAT_AUX_CONVENTION,
     VAT_AUX_CONVENTION_NOTE,
     vat_to_sglang_aux_ids,

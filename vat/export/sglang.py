@@ -30,7 +30,7 @@ from vat.export.checkpoint import (
     write_json,
     write_safetensors,
 )
-from vat.export.conventions import (
+from vat.target.conventions import (
     VAT_AUX_CONVENTION,
     VAT_AUX_CONVENTION_NOTE,
     sglang_to_vat_aux_ids,

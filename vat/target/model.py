@@ -15,42 +15,11 @@ from torch import nn
 
 from vat.errors import VatError
 from vat.target.budget import BudgetSpec, window_groups
+from vat.target.conventions import default_aux_layer_ids
 from vat.target.families import FamilyAdapter, adapter_for, decoder_layers, expert_bytes
 from vat.target.routing import RoutingController
 
 EXPERTS_IMPLS = ("eager", "grouped_mm", "batched_mm", "triton")
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default low/mid/high layers as 0-indexed layer outputs: ``[1, L//2 - 1, L - 4]``.
-
-    Tiny targets can make these collide or go negative; they are clamped into range (duplicates are allowed:
-    the draft's fc still sees three slots).
-    """
-    ids = [1, num_layers // 2 - 1, num_layers - 4]
-    return [min(max(i, 0), num_layers - 1) for i in ids]
-
-
-def to_sglang_layer_ids(aux_layer_ids: list[int]) -> list[int]:
-    """vat ids (0-indexed layer outputs) -> the ids SGLang's draft config takes
-    (``eagle_config.eagle_aux_hidden_state_layer_ids``). SGLang's config ids are layer-output ids too; SGLang adds
-    +1 internally to get its capture slot (the input of layer id+1), so the numbers are unchanged."""
-    return list(aux_layer_ids)
-
-
-def to_sglang_capture_slots(aux_layer_ids: list[int]) -> list[int]:
-    """vat ids -> SGLang's internal capture slots (hidden state at the *input* of layer id+1): +1."""
-    return [i + 1 for i in aux_layer_ids]
-
-
-def to_vllm_layer_ids(aux_layer_ids: list[int]) -> list[int]:
-    """vat ids -> vLLM/speculators ids, which name the layer whose *input* is captured: +1."""
-    return [i + 1 for i in aux_layer_ids]
-
-
-def from_vllm_layer_ids(ids: list[int]) -> list[int]:
-    """vLLM/speculators ids -> vat ids (0-indexed layer outputs): -1."""
-    return [i - 1 for i in ids]
 
 
 @dataclass

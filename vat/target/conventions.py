@@ -29,6 +29,15 @@ VAT_AUX_CONVENTION_NOTE = (
 )
 
 
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default low / mid / high layers in vat's convention: ``[1, L//2 - 1, L - 4]``, clamped into range.
+
+    Clamping only matters for tiny targets (L < 5), where ids may repeat; the draft still gets three slots.
+    """
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    return [min(max(i, 0), num_layers - 1) for i in ids]
+
+
 def vat_to_sglang_aux_ids(ids: Sequence[int]) -> list[int]:
     """vat ids -> SGLang draft-config ids (identity: both name layer outputs)."""
     return [int(i) for i in ids]
