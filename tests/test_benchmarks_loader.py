@@ -91,3 +91,15 @@ def test_clear_errors(tmp_path):
         load_benchmark("vat-test/no-such-benchmark")
     with pytest.raises(VatError, match="no prompts in category"):
         load_benchmark(str(tmp_path / "gsm.jsonl") + ":no_such_category")
+
+
+def test_limit_spreads_over_categories(spec_bench_file):
+    from vat.eval.benchmarks import load_benchmark
+
+    prompts = load_benchmark(spec_bench_file, limit=26)
+    counts: dict[str, int] = {}
+    for p in prompts:
+        counts[p.category] = counts.get(p.category, 0) + 1
+    assert len(prompts) == 26
+    assert max(counts.values()) - min(counts.values()) <= 1  # round-robin: no category starved
+    assert [p.question_id for p in prompts] == sorted(p.question_id for p in prompts)  # file order kept

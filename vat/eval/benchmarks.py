@@ -160,7 +160,8 @@ def load_benchmark(name_or_path: str, limit: int | None = None) -> list[Prompt]:
 
     Args:
         name_or_path: see the module docstring; ``NAME:category`` keeps one category.
-        limit: keep at most this many prompts (after the category filter), in file order.
+        limit: keep at most this many prompts (after the category filter), spread evenly over the categories
+            (round-robin in file order: ``--limit 12`` on Spec-Bench's 6 categories keeps the first 2 of each).
 
     Returns:
         The prompts.
@@ -200,12 +201,28 @@ def load_benchmark(name_or_path: str, limit: int | None = None) -> list[Prompt]:
         if category is not None and prompt.category != category:
             continue
         prompts.append(prompt)
-        if limit is not None and len(prompts) >= limit:
-            break
     if not prompts:
         what = f" in category {category!r}" if category else ""
         raise VatError(
             f"no prompts{what} found in {name_or_path} ({unrecognised} rows in no recognised layout: expected FastChat "
             "turns, HumanEval task_id/prompt, GSM8K question/answer, Alpaca instruction/input/output, or chats)"
         )
-    return prompts
+    return spread_over_categories(prompts, limit)
+
+
+def spread_over_categories(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
+    """At most ``limit`` prompts taken round-robin over categories (each in file order); order of the result
+    follows the file."""
+    if limit is None or limit >= len(prompts):
+        return prompts
+    by_category: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_category.setdefault(p.category, []).append(i)
+    chosen: list[int] = []
+    depth = 0
+    while len(chosen) < limit:
+        for indices in by_category.values():
+            if depth < len(indices) and len(chosen) < limit:
+                chosen.append(indices[depth])
+        depth += 1
+    return [prompts[i] for i in sorted(chosen)]
