@@ -189,10 +189,10 @@ INTERPRETED = isinstance(_gate_up_act_kernel, InterpretedFunction)
 
 
 def _autotune_configs() -> list[triton.Config]:
-    shapes = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages): decode is weight-bandwidth bound, so favour many programs
-        (32, 64, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4),
-        (64, 256, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (16, 256, 4, 4), (16, 128, 2, 5),
-    ]  # fmt: skip
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages). Verification-sized calls are weight-bandwidth bound with one M-block
+    # per expert, so narrow N tiles (more programs in flight) and long K tiles (long contiguous weight reads) come
+    # first; kept short because every config is compiled once per key.
+    shapes = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in shapes]
 
 
@@ -382,7 +382,8 @@ def fused_experts(
     b1 = gate_up_bias.to(dtype) if gate_up_bias is not None else None
     b2 = down_bias.to(dtype) if down_bias is not None else None
     x = hidden_states.to(dtype)  # (T, H)
-    flat_weights = topk_weights.reshape(-1).contiguous()  # (P,)
+    flat_weights = topk_weights.reshape(-1).to(torch.float32 if not on_gpu else topk_weights.dtype)  # (P,)
+    flat_weights = flat_weights.contiguous()
     act = torch.empty(num_pairs, inter, dtype=dtype, device=x.device)  # (P, I) rows of dropped pairs never read
     y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # (P, H) dropped pairs stay 0
 

@@ -162,14 +162,13 @@ def test_align_rejects_out_of_range_ids():
 
 CASES = [
     # (kind, T, H, inter, E, k, budget, policy)
-    ("olmoe", 12, 64, 32, 8, 2, None, None),
     ("qwen3", 13, 64, 48, 8, 2, None, None),  # T not a multiple of the block size; I not a power of two
     ("olmoe", 1, 64, 32, 8, 2, None, None),  # a single token
     ("olmoe", 10, 64, 32, 8, 2, 3, "substitute"),
     ("olmoe", 10, 64, 32, 8, 2, 3, "truncate"),
     ("qwen3", 10, 64, 32, 8, 2, 3, "substitute"),
     ("qwen3", 10, 64, 32, 8, 2, 3, "truncate"),
-    ("qwen3", 9, 128, 64, 64, 4, None, None),
+    ("qwen3", 5, 128, 64, 64, 4, None, None),
     ("olmoe", 9, 128, 64, 64, 4, 6, "substitute"),
     ("qwen3", 9, 128, 64, 64, 4, 6, "truncate"),
 ]
@@ -323,7 +322,7 @@ def test_non_silu_experts_are_refused():
         model(torch.randint(3, 128, (1, 4)))
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v3"])  # softmax, renormalised, sigmoid + groups
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])  # softmax top-k; sigmoid + bias + group limit
 def test_budgeted_target_forward_matches_eager(family):
     """Through vat.target: a budgeted forward with experts_impl triton equals the eager one, and each layer's kernel
     call reads exactly the experts the budgeted routing executed (at most B)."""
@@ -355,3 +354,14 @@ def test_budgeted_target_forward_matches_eager(family):
             executed = set(eager.topk_ids[layer].reshape(-1).tolist()) - {num_experts}
             assert set(calls[p * n_layers + layer].experts) == executed
             assert len(executed) <= budget
+
+
+def test_kernels_lower_for_hopper_and_pipeline():
+    """The interpreter never compiles: lower both kernels for sm_90 (bundled ptxas, no GPU) with the shipping bf16
+    configuration, and check the K loop was software-pipelined (its loads became asynchronous copies)."""
+    from vat.kernels.aot import compile_kernels_subprocess
+
+    infos = compile_kernels_subprocess(dtype="bf16", arch=90, block_m=16, block_n=64, block_k=128, num_stages=3)
+    assert [i["name"] for i in infos] == ["_gate_up_act_kernel", "_down_kernel"]
+    assert all(i["pipelined"] for i in infos)
+    assert all(i["shared_bytes"] <= 227 * 1024 for i in infos)  # fits an H100/H200 SM
