@@ -62,11 +62,12 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         q: (V,) draft probabilities.
 
     Returns:
-        (V,) fp32 probabilities.
+        (V,) probabilities (fp32, or fp64 for fp64 inputs).
     """
-    r = (p.float() - q.float()).clamp_min(0.0)  # (V,)
+    dtype = torch.promote_types(torch.promote_types(p.dtype, q.dtype), torch.float32)
+    r = (p.to(dtype) - q.to(dtype)).clamp_min(0.0)  # (V,)
     total = float(r.sum())
-    return r / total if total > 0 else p.float() / float(p.sum())
+    return r / total if total > 0 else p.to(dtype) / float(p.sum())
 
 
 def accept_chain_greedy(target_ids: torch.Tensor, draft_ids: torch.Tensor) -> int:

@@ -1,0 +1,122 @@
+"""`vat eval` end to end on a saved tiny target and a saved draft: every output file, every eval.json key, the
+lossless multi-turn generations, budgets in the recorded unions, and the one-line user errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from tiny_models import save_tiny_target
+
+from vat.cli import main as cli_main
+from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from vat.eval.run import run_eval
+from vat.export.checkpoint import save_draft
+
+METRIC_KEYS = {
+    "tau", "accept_by_position", "union_per_round", "expert_bytes_per_token", "tokens_per_s", "speedup_vs_ar",
+    "n_prompts", "n_rounds", "target_forwards_per_token", "categories",
+}
+PLOTS = ("tau_by_benchmark.png", "accept_by_position.png", "union_vs_tau.png")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A saved tiny OLMoE target (with tokenizer) and a random EAGLE-3 draft saved by vat's checkpoint writer."""
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("eval")
+    target_dir = save_tiny_target(str(root / "target"), "olmoe")
+    config = AutoConfig.from_pretrained(target_dir)
+    cfg = Eagle3Config.for_target(config, draft_vocab_size=config.vocab_size, target_path=target_dir)
+    torch.manual_seed(0)
+    draft_dir = save_draft(Eagle3Drafter(cfg), cfg, str(root / "run" / "final"))
+    return root, target_dir, draft_dir
+
+
+def test_cli_smoke_writes_every_output(saved, spec_bench_file):
+    root, target_dir, draft_dir = saved
+    out = str(root / "out")
+    rc = cli_main([
+        "eval", "--target", target_dir, "--draft", draft_dir, "--draft", "none", "--benchmark", spec_bench_file,
+        "--limit", "2", "--max-new-tokens", "16", "--budget", "none,2", "--output", out,
+    ])
+    assert rc == 0
+    for name in ("eval.json", "generations.jsonl", "report.md", *PLOTS):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    for name in PLOTS:
+        with open(os.path.join(out, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    with open(os.path.join(out, "eval.json")) as f:
+        ev = json.load(f)
+    bench = ev["benchmarks"][0]
+    assert ev["benchmarks"] == ["spec_bench"]
+    assert set(ev["results"]) == {"none", "run/final"}
+    assert set(ev["results"]["run/final"]) == {"none", "2"} and set(ev["results"]["none"]) == {"none"}
+    for draft, per_budget in ev["results"].items():
+        for budget, per_bench in per_budget.items():
+            m = per_bench[bench]
+            assert METRIC_KEYS <= set(m), (draft, budget, METRIC_KEYS - set(m))
+            assert m["n_prompts"] == 2 and m["n_rounds"] > 0 and m["tau"] >= 1.0
+            assert m["speedup_vs_ar"] > 0 and m["tokens_per_s"] > 0 and m["expert_bytes_per_token"] > 0
+            assert {"mean", "p50", "p90", "p99", "max", "histogram", "per_layer"} <= set(m["union_per_round"])
+            assert len(m["categories"]) >= 1
+            for cat in m["categories"].values():
+                assert METRIC_KEYS - {"categories"} <= set(cat)
+            assert sum(cat["n_prompts"] for cat in m["categories"].values()) == 2
+    ar = ev["results"]["none"]["none"][bench]
+    assert ar["tau"] == 1.0 and ar["speedup_vs_ar"] == pytest.approx(1.0)
+    assert ar["union_per_round"]["max"] == ev["target_info"]["top_k"]
+    assert ev["results"]["run/final"]["2"][bench]["union_per_round"]["max"] <= 2
+    assert ev["results"]["run/final"]["none"][bench]["union_per_round"]["max"] > 2
+    assert ev["pooled"]["run/final"]["none"]["n_prompts"] == 2
+    assert len(ev["results"]["run/final"]["none"][bench]["accept_by_position"]["conditional"]) == 7
+
+    with open(os.path.join(out, "generations.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 2 * 3  # prompts x (AR + draft x 2 budgets)
+    for row in rows:
+        assert {"question_id", "draft", "budget", "temperature", "token_ids", "text"} <= set(row)
+        assert len(row["token_ids"]) == 2 == len(row["text"])  # MT-Bench rows have two turns
+        assert all(1 <= len(t) <= 16 for t in row["token_ids"])
+    by_key = {(r["question_id"], r["draft"], r["budget"]): r["token_ids"] for r in rows}
+    for qid in {r["question_id"] for r in rows}:  # greedy, unbudgeted: the draft changes nothing, turn 2 included
+        assert by_key[(qid, "run/final", "none")] == by_key[(qid, "none", "none")]
+
+    assert set(ev["results"]["none"]["none"][bench]["categories"]) == {r["category"] for r in rows}
+
+    report = open(os.path.join(out, "report.md")).read()
+    assert "| draft | budget | τ |" in report and "run/final" in report and "union_vs_tau.png" in report
+
+
+def test_run_eval_finds_the_target_from_the_draft(saved, spec_bench_file):
+    _, target_dir, draft_dir = saved
+    ev = run_eval(drafts=[draft_dir], benchmarks=[spec_bench_file], limit=1, max_new_tokens=4, steps=3,
+                  tree="2,2,3", progress=False)
+    assert ev["target"] == target_dir and ev["settings"]["tree"] == {"top_k": 2, "depth": 2, "total_tokens": 3}
+    assert ev["results"]["run/final"]["none"]["spec_bench"]["n_prompts"] == 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--batch-size", "2"], "batch size 1"),
+    (["--budget", "none,x"], "--budget"),
+    (["--tree", "4,4"], "--tree"),
+    (["--vh-threshold", "0.5"], "verification head"),
+])
+def test_user_errors_are_one_line(saved, spec_bench_file, capsys, flags, message):
+    root, target_dir, draft_dir = saved
+    rc = cli_main(["eval", "--target", target_dir, "--draft", draft_dir, "--benchmark", spec_bench_file,
+                   "--limit", "1", "--output", str(root / "bad"), *flags])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # earlier lines: transformers' loading bars
+    assert rc == 2 and last.startswith("vat: error:") and message in last
