@@ -93,7 +93,8 @@ def make_routing(logits, top_k: int, norm_topk_prob: bool, budget: int | None):
     import torch
 
     probs = logits.float().softmax(-1)  # (T, E)
-    if budget is None or budget >= probs.shape[-1]:
+    natural_union = probs.topk(top_k, dim=-1).indices.unique().numel()
+    if budget is None or budget >= natural_union:  # the union fits: routing stays natural
         ranking = probs
     else:
         allowed = probs.sum(0).topk(budget).indices  # (B,) window's top-B experts by summed mass

@@ -33,9 +33,12 @@ def natural_routing(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> t
     return ids, weights
 
 
-def budget_set(logits: torch.Tensor, budget: int) -> torch.Tensor:
-    """S: the window's top-``budget`` experts by summed softmax mass. ``(B,)``"""
-    return logits.float().softmax(-1).sum(0).topk(budget).indices
+def budget_set(logits: torch.Tensor, budget: int, top_k: int) -> torch.Tensor:
+    """S: the window's natural union if it has at most ``budget`` experts, else its top-``budget`` experts by summed
+    softmax mass (DESIGN §3). ``(|S|,)``"""
+    probs = logits.float().softmax(-1)  # (T, E)
+    union = probs.topk(top_k, dim=-1).indices.unique()
+    return union if union.numel() <= budget else probs.sum(0).topk(budget).indices
 
 
 def substitute_routing(logits, top_k, norm_topk_prob, allowed):
@@ -66,7 +69,7 @@ def truncate_routing(logits, top_k, norm_topk_prob, allowed):
 def route(logits, top_k, norm_topk_prob, budget=None, policy="substitute"):
     if budget is None:
         return natural_routing(logits, top_k, norm_topk_prob)
-    allowed = budget_set(logits, budget)
+    allowed = budget_set(logits, budget, top_k)
     fn = substitute_routing if policy == "substitute" else truncate_routing
     return fn(logits, top_k, norm_topk_prob, allowed)
 
@@ -184,7 +187,7 @@ def test_kernel_matches_reference_and_hf_eager(kind, T, H, inter, E, k, budget, 
     torch.testing.assert_close(out, reference(module, x, ids, weights), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, run_hf(module, x, ids, weights), atol=1e-5, rtol=1e-5)
     if budget is not None:
-        assert set(ids[ids < E].tolist()) <= set(budget_set(logits, budget).tolist())
+        assert set(ids[ids < E].tolist()) <= set(budget_set(logits, budget, k).tolist())
 
 
 @pytest.mark.parametrize("policy", ["substitute", "truncate"])
@@ -250,7 +253,7 @@ def test_experts_read_equal_the_budget_set(policy):
     x = torch.randn(T, H)
     logits = torch.randn(T, E) * 2.0
     ids, weights = route(logits, k, True, budget=budget, policy=policy)
-    allowed = set(budget_set(logits, budget).tolist())
+    allowed = set(budget_set(logits, budget, k).tolist())
     used = set(ids[ids < E].tolist())
     if policy == "substitute":
         assert used == allowed  # k == B: every token takes all of S
