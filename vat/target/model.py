@@ -259,12 +259,10 @@ def set_experts_implementation(model: nn.Module, experts_impl: str) -> None:
     """Switch the experts forward of every MoE layer through transformers' ``ExpertsInterface``."""
     name = experts_impl
     if experts_impl == "triton":
-        from vat.kernels import register_triton_experts
+        from vat.kernels import check_triton_experts_supported, register_triton_experts
 
         name = register_triton_experts()
-        adapter_for(model.config)  # refuse unsupported families before touching the model
-        if model.config.model_type == "gpt_oss":
-            raise VatError("experts_impl triton does not support GPT-OSS's transposed, biased experts; use eager")
+        check_triton_experts_supported(model)  # one clear line for a layout the kernel does not cover
     if name == "eager" and model.config.model_type == "gpt_oss":
         # GPT-OSS's eager experts forward cannot skip a dropped slot (its one-hot has no sentinel class);
         # its grouped_mm path can, and it is exact on CPU too
