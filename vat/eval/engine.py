@@ -22,12 +22,20 @@ from dataclasses import dataclass, field
 import torch
 
 from vat.drafters.eagle3 import Eagle3Drafter
+from vat.errors import VatError
 from vat.eval.chain import draft_chain, judge_chain
 from vat.eval.draft_state import DraftHead, DraftState
 from vat.eval.sampling import choose_token
 from vat.eval.tree import TreeSpec, build_tree, judge_tree
 from vat.target import BudgetSpec, FrozenTarget, window_union
-from vat.target.cache import cache_length, crop_cache, new_cache, select_cache_positions, tree_attention_mask
+from vat.target.cache import (
+    cache_length,
+    crop_cache,
+    new_cache,
+    select_cache_positions,
+    sliding_window_limit,
+    tree_attention_mask,
+)
 
 
 @dataclass
@@ -116,6 +124,7 @@ class SpeculativeEngine:
         self.vh_threshold = vh_threshold
         self.max_new_tokens = max_new_tokens
         self.eos = {int(t) for t in eos_token_ids}
+        self._window = sliding_window_limit(target.config) if tree is not None else None
 
     @property
     def mode(self) -> str:
@@ -222,6 +231,11 @@ class SpeculativeEngine:
         n = cache_length(cache)
         tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold)
         block = torch.tensor([[root] + tree.tokens], device=device)  # (1, N + 1)
+        if self._window is not None and n + block.shape[1] > self._window:
+            raise VatError(
+                f"tree verification past the target's sliding window ({self._window} positions) would bypass it: "
+                "use a chain (drop --tree) or shorter generations"
+            )
         positions = (n + tree.block_depths().to(device))[None]  # (1, N + 1)
         mask = tree_attention_mask(tree.ancestors().to(device), n, self.target.dtype)  # (1, 1, N+1, n+N+1)
         out = self.target.forward(

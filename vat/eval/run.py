@@ -309,6 +309,7 @@ def run_eval(
     if output:
         os.makedirs(output, exist_ok=True)
         gen_file = open(os.path.join(output, "generations.jsonl"), "w")
+    saved_aux_ids = list(target_obj.aux_layer_ids)  # each draft sets the features it reads; restored below
     results: dict[str, dict[str, dict]] = {}
     all_runs: dict[tuple[str, str], list[PromptRun]] = {}
     skipped: dict[str, dict[str, int]] = {}
@@ -335,6 +336,7 @@ def run_eval(
                 results.setdefault(config.draft.label, {}).setdefault(config.budget_label, {})[name] = metrics
                 all_runs.setdefault((config.draft.label, config.budget_label), []).extend(runs)
     finally:
+        target_obj.aux_layer_ids = saved_aux_ids
         if gen_file is not None:
             gen_file.close()
 

@@ -83,3 +83,18 @@ def tree_attention_mask(ancestors: torch.Tensor, past_length: int, dtype: torch.
     mask = torch.zeros(n, past_length + n, dtype=dtype, device=ancestors.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]  # (1, 1, N, S + N)
+
+
+def sliding_window_limit(config: Any) -> int | None:
+    """The smallest attention window of the target's sliding-window layers, or None when every layer is global.
+
+    A custom 4-D tree mask replaces the model's own mask, window included, so tree verification is exact only while
+    the whole sequence fits in the window.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if window and "sliding_attention" in layer_types else None
+    if getattr(config, "use_sliding_window", None) is False:
+        return None
+    return int(window) if window else None
