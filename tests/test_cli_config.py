@@ -60,3 +60,16 @@ def test_cli_prints_one_line_for_user_errors(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"vat: error: recipe not found: {tmp_path / 'missing.yaml'}"]
+
+
+def test_readme_cli_reference_is_generated_from_the_cli():
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("cli_reference", os.path.join(root, "scripts", "cli_reference.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = open(os.path.join(root, "README.md")).read()
+    block = readme.split(module.START, 1)[1].split(module.END, 1)[0].strip()
+    assert block == module.reference().strip(), "README CLI reference is stale: python scripts/cli_reference.py --write"
