@@ -29,9 +29,11 @@ _COMMON = dict(
 )
 
 
-def tiny_config(family: str, num_experts: int = 8, top_k: int = 2, num_layers: int = 2, vocab_size: int = 128):
+def tiny_config(
+    family: str, num_experts: int = 8, top_k: int = 2, num_layers: int = 2, vocab_size: int = 128, hidden_size: int = 64
+):
     """A small random config of ``family`` (one of :data:`FAMILIES`)."""
-    common = dict(_COMMON, num_hidden_layers=num_layers, vocab_size=vocab_size)
+    common = dict(_COMMON, num_hidden_layers=num_layers, vocab_size=vocab_size, hidden_size=hidden_size)
     if family == "olmoe":
         return OlmoeConfig(**common, intermediate_size=32, num_experts=num_experts, num_experts_per_tok=top_k)
     if family == "qwen3_moe":
