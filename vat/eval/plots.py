@@ -43,6 +43,7 @@ def plot_tau_by_benchmark(result: dict, path: str) -> str:
         bars = ax.bar(xs, taus, width=width, label=f"{draft}" + ("" if budget == NO_BUDGET else f" (B={budget})"))
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="grey", linestyle=":", linewidth=1, label="autoregressive (τ = 1)")
+    ax.set_ylim(0, 1.25 * max([1.0] + [bar.get_height() for bar in ax.patches]))  # room for labels and legend
     ax.set_xticks(range(len(benches)), benches)
     ax.set_xlabel("benchmark")
     ax.set_ylabel("τ (tokens committed per verification round)")
@@ -71,6 +72,7 @@ def plot_accept_by_position(result: dict, path: str) -> str:
         line = ax.plot(ks, [v or 0.0 for v in acc["conditional"]], marker="o", label=f"{label}: conditional")[0]
         ax.plot(ks, [v or 0.0 for v in acc["unconditional"]], marker="x", linestyle="--", color=line.get_color(),
                 label=f"{label}: unconditional")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("draft position k")
     ax.set_ylabel("acceptance rate (fraction of rounds)")
     ax.set_ylim(0, 1.05)
