@@ -177,9 +177,9 @@ class Trainer:
         self.affinity = self.affinity.to(self.device)
         self.budget = None
         if cfg.budget.B is not None:
-            from vat.target import BudgetSpec
-
             from omegaconf import OmegaConf
+
+            from vat.target import BudgetSpec
 
             b = OmegaConf.to_container(cfg.budget, resolve=True)["B"]  # int, list or {layer: B}
             self.budget_window = int(cfg.budget.window or self.K + 1)

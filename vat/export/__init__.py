@@ -2,6 +2,8 @@
 
 from vat.export.checkpoint import detect_format, load_draft, save_draft
 from vat.export.cli import export_draft
+from vat.export.sglang import export_sglang, sglang_config_dict
+from vat.export.speculators import export_speculators, speculators_config_dict
 from vat.target.conventions import (
     VAT_AUX_CONVENTION,
     sglang_to_vat_aux_ids,
@@ -10,8 +12,6 @@ from vat.target.conventions import (
     vat_to_vllm_aux_ids,
     vllm_to_vat_aux_ids,
 )
-from vat.export.sglang import export_sglang, sglang_config_dict
-from vat.export.speculators import export_speculators, speculators_config_dict
 
 __all__ = [
     "VAT_AUX_CONVENTION",

@@ -28,8 +28,8 @@ from vat.export.checkpoint import (
     write_json,
     write_safetensors,
 )
-from vat.target.conventions import vat_to_vllm_aux_ids, vllm_to_vat_aux_ids
 from vat.export.sglang import apply_vat_block, llama_config_dict, parse_llama_config, vat_block
+from vat.target.conventions import vat_to_vllm_aux_ids, vllm_to_vat_aux_ids
 
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 

@@ -2,7 +2,6 @@
 
 from vat.target.accounting import bytes_per_window, contiguous_windows, window_union
 from vat.target.budget import BudgetSpec, apply_budget, budget_sets, window_groups
-from vat.target.families import ADAPTERS, FamilyAdapter, adapter_for
 from vat.target.conventions import (
     default_aux_layer_ids,
     sglang_to_vat_aux_ids,
@@ -10,6 +9,7 @@ from vat.target.conventions import (
     vat_to_vllm_aux_ids,
     vllm_to_vat_aux_ids,
 )
+from vat.target.families import ADAPTERS, FamilyAdapter, adapter_for
 from vat.target.model import FrozenTarget, TargetOutput, load_target
 
 __all__ = [
