@@ -290,7 +290,12 @@ def prepare_chat(
     try:
         if not progress:
             datasets.disable_progress_bars()
-        raw = datasets.Dataset.from_generator(rows, features=features, cache_dir=work, fingerprint=uuid.uuid4().hex)
+        try:
+            raw = datasets.Dataset.from_generator(rows, features=features, cache_dir=work, fingerprint=uuid.uuid4().hex)
+        except ValueError as err:  # datasets refuses a generator that yields nothing
+            if "corresponds to no data" not in str(err):
+                raise
+            raise VatError(f"no usable conversation in {input} (read {seen['rows']} rows, skipped {dict(skipped)})") from None
         if len(raw) == 0:
             tokenized = raw.remove_columns(["messages"]).add_column("skip", [])
         else:
