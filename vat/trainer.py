@@ -71,7 +71,11 @@ class Trainer:
         mixed = cfg.train.mixed_precision
         if mixed == "auto":
             mixed = "bf16" if torch.cuda.is_available() else "no"
-        self.accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.train.grad_accum)
+        # cpu=True on a CPU-only machine: that is what makes a multi-process launch MULTI_CPU (gloo) instead of N
+        # independent single-process runs
+        self.accelerator = Accelerator(
+            mixed_precision=mixed, gradient_accumulation_steps=cfg.train.grad_accum, cpu=not torch.cuda.is_available()
+        )
         set_seed(cfg.seed)
         self.device = self.accelerator.device
         self.is_main = self.accelerator.is_main_process
