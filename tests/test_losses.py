@@ -545,3 +545,24 @@ def test_stochastic_acceptance_in_objective(acceptance):
     assert torch.isfinite(loss)
     out = finalize_metrics(metrics)
     assert 1.0 <= out["tau_sim"] <= 1.0 + draft_logits.shape[2]
+
+
+def test_union_on_sampled_anchors_equals_union_on_those_anchors_alone():
+    from vat.losses import LossSwitches, vat_objective
+
+    torch.manual_seed(3)
+    N, K, V, L, E = 10, 4, 12, 2, 6
+    logits = torch.randn(N, K, V, requires_grad=True)
+    target = target_dist(torch.randn(N, K, V))
+    valid = torch.rand(N, K) > 0.2
+    valid[:, 0] = True
+    affinity = torch.rand(V, L, E)
+    routing = (torch.rand(N, L, E) > 0.6).float()
+    switches = LossSwitches(union_weight=1.0)
+    idx = torch.tensor([1, 4, 7])
+    _, sub = vat_objective(logits, target, valid, switches, affinity=affinity, anchor_routing=routing,
+                           union_anchors=idx)
+    sliced = target.apply(lambda x: x[idx])
+    _, alone = vat_objective(logits[idx], sliced, valid[idx], switches, affinity=affinity, anchor_routing=routing[idx])
+    assert torch.allclose(sub["union_sim_sum"], alone["union_sim_sum"])
+    assert torch.equal(sub["union_sim_count"], alone["union_sim_count"])

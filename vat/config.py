@@ -70,6 +70,7 @@ class LossConfig:
     vh_weight: Optional[float] = None  # beta for the verification-head BCE; null = from method (vat: 1.0)
     union_weight: float = 0.0  # lambda for the expert-union penalty (0 = off)
     union_top_m: int = 8  # candidates per draft step in the expected expert use
+    union_max_anchors: Optional[int] = 1024  # anchors sampled per step for the union term (memory N·K·L'·E); null = all
     affinity: Optional[str] = None  # precomputed affinity table (`vat prep affinity`); null = online EMA
     affinity_ema: float = 0.99
     acceptance: str = "greedy"  # greedy | expected | sampled (simulated verification rule)

@@ -387,6 +387,7 @@ def vat_objective(
     anchor_routing: Tensor | None = None,
     verification: VerificationResult | None = None,
     generator: torch.Generator | None = None,
+    union_anchors: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The full training objective.
 
@@ -406,6 +407,8 @@ def vat_objective(
         anchor_routing: ``(..., L', E)`` 0/1 routing of each anchor's root token.
         verification: a precomputed :func:`vat.verify.simulate_verification` result (else computed here).
         generator: RNG for ``acceptance='sampled'``.
+        union_anchors: ``(M,)`` int64 flat indices into the leading dims ``...``: the union term (penalty and
+            ``union_sim``) uses only these anchors (None = all). Its memory is ``M·K·L'·E``, so large targets sample.
 
     Returns:
         ``(loss (), metrics)``: metrics are detached SUM-reducible tensors — ``loss_k_sum/count (K,)``,
@@ -465,10 +468,16 @@ def vat_objective(
     if switches.union_weight and (affinity is None or anchor_routing is None):
         raise ValueError("union_weight > 0 needs the affinity table and the anchors' routing")
     if affinity is not None and anchor_routing is not None:
+        u_logits, u_routing, u_valid, u_anchor = draft_logits, anchor_routing, valid, verification.anchor_valid
+        if union_anchors is not None:  # the union term on a subset of anchors: (N, K, L', E) grows with L'·E
+            u_logits = draft_logits.reshape(-1, K, draft_logits.shape[-1])[union_anchors]  # (M, K, V_d)
+            u_routing = anchor_routing.reshape(-1, *anchor_routing.shape[-2:])[union_anchors]  # (M, L', E)
+            u_valid = valid.reshape(-1, K)[union_anchors]  # (M, K)
+            u_anchor = verification.anchor_valid.reshape(-1)[union_anchors]  # (M,)
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(switches.union_weight)):
-            a = expected_expert_use(draft_logits, affinity, switches.union_top_m, is_logits=True)  # (..., K, L', E)
-            union = soft_union(a, anchor_routing, valid)  # (..., L')
-            penalty, u_sum, u_count = union_penalty(union, affinity.shape[-1], verification.anchor_valid)
+            a = expected_expert_use(u_logits, affinity, switches.union_top_m, is_logits=True)  # (..., K, L', E)
+            union = soft_union(a, u_routing, u_valid)  # (..., L')
+            penalty, u_sum, u_count = union_penalty(union, affinity.shape[-1], u_anchor)
         if switches.union_weight:
             loss = loss + switches.union_weight * penalty
         metrics["union_sim_sum"] = u_sum

@@ -237,6 +237,7 @@ class Trainer:
         loss, metrics = vat_objective(
             out.logits, gathered, valid, self.switches, vh_logits=out.vh_logits,
             affinity=self.affinity.table(), anchor_routing=anchor_routing, verification=verification,
+            union_anchors=self._union_anchors(verification.anchor_valid),
         )
         if out.vh_logits is not None:  # kept for an exact AUC over the logging window
             mask = verification.valid
@@ -246,6 +247,15 @@ class Trainer:
         self.affinity.update(rows, dropped_as_negative, attention.bool())
         metrics["tokens"] = attention.sum().float()
         return loss, metrics
+
+    def _union_anchors(self, anchor_valid: torch.Tensor) -> torch.Tensor | None:
+        """A seeded sample of valid anchors for the union term (all of them when they fit ``union_max_anchors``)."""
+        cap = self.cfg.loss.union_max_anchors
+        flat = anchor_valid.reshape(-1).nonzero().squeeze(-1)  # (n,)
+        if not cap or flat.numel() <= cap:
+            return flat
+        gen = torch.Generator().manual_seed(self.budget_rng_seed + 7919 * self.step + self.accelerator.process_index)
+        return flat[torch.randperm(flat.numel(), generator=gen)[:cap].to(flat.device)]
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
