@@ -39,7 +39,7 @@ from vat.paths import sharegpt_path, tiny_target_dir
 logger = logging.getLogger(__name__)
 
 REPORT_FILE = "build_report.json"
-CHARS_PER_TOKEN = 4.0  # rough English/code rate of the tiny BPE; only sizes how much of the file is read
+CHARS_PER_TOKEN = 3.2  # about the chars per token of the tiny BPEs on ShareGPT; only sizes how much of the file is read
 READ_MARGIN = 1.3  # read this much more text than the token budget needs, so one epoch covers it
 NUM_THREADS = 2
 
@@ -57,24 +57,28 @@ class TinyTargetSpec:
     # tokenizer
     vocab_size: int = 8192  # total, including 256 byte symbols and 5 special tokens
     # model (OLMoE architecture)
-    hidden_size: int = 256
+    hidden_size: int = 192
     num_hidden_layers: int = 8  # default EAGLE-3 aux layers [1, L//2-1, L-4] = [1, 3, 4]: distinct
     num_attention_heads: int = 4
     intermediate_size: int = 128  # per expert
     num_experts: int = 16
     num_experts_per_tok: int = 4
     router_aux_loss_coef: float = 0.01  # OLMoE's load-balancing coefficient
+    embed_init_std: float = 1.0  # unit-scale embeddings: past the unigram plateau ~1.4x sooner than std 0.02
     max_position_embeddings: int = 2048  # RoPE; trained on rows of seq_len
     # data
     seq_len: int = 512  # packed row length
-    max_conv_tokens: int = 1024  # each conversation is cut to its first this-many tokens (more distinct openings)
+    max_messages: int = 4  # turns kept per conversation (system / user / assistant / user / ...)
+    max_message_chars: int = 1500  # each turn is cut (at a sentence end when possible) to this many characters
+    max_conv_tokens: int = 1024  # and the rendered conversation to this many tokens
     min_ascii_frac: float = 0.9  # conversations with less ASCII text are skipped (non-English: too hard at this size)
+    skip_code: bool = True  # skip conversations with ``` code blocks: the budget buys English, not half of both
     heldout_conversations: int = 300
     heldout_every: int = 10  # every 10th kept conversation is held out until there are enough
     # optimisation
-    train_tokens: int = 1_600_000
-    batch_size: int = 8  # rows per step
-    lr: float = 2e-3
+    train_tokens: int = 1_500_000
+    batch_size: int = 4  # rows per step: small batches, many steps (early training is step-limited)
+    lr: float = 5e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_frac: float = 0.04
     weight_decay: float = 0.1
@@ -91,11 +95,12 @@ QUICK_SPEC = replace(
     num_attention_heads=4,
     intermediate_size=64,
     seq_len=256,
+    max_message_chars=600,
     max_conv_tokens=512,
     heldout_conversations=100,
-    train_tokens=400_000,
-    batch_size=16,
-    lr=3e-3,
+    train_tokens=360_000,
+    batch_size=4,
+    lr=6e-3,
 )
 
 
@@ -111,14 +116,26 @@ def _ascii_frac(text: str) -> float:
     return sum(ch.isascii() for ch in text) / max(1, len(text))
 
 
-def _cap_messages(messages: list[dict], max_chars: int) -> list[dict]:
-    """Keep the leading messages that start within the first ``max_chars`` characters (at least two)."""
-    kept, total = [], 0
-    for m in messages:
-        if total >= max_chars and len(kept) >= 2:
-            break
-        kept.append(m)
-        total += len(m["content"])
+def _cut_text(text: str, max_chars: int) -> str:
+    """``text`` cut to at most ``max_chars``, preferably after a sentence or line end in its second half."""
+    if len(text) <= max_chars:
+        return text
+    head = text[:max_chars]
+    cut = max(head.rfind(". "), head.rfind(".\n"), head.rfind("\n"))
+    if cut < max_chars // 2:
+        cut = head.rfind(" ")
+    return head[: cut + 1].rstrip() if cut >= max_chars // 2 else head.rstrip()
+
+
+def _cap_messages(messages: list[dict], max_messages: int, max_chars: int) -> list[dict]:
+    """The first ``max_messages`` turns, each cut to ``max_chars`` characters, ending on an assistant turn.
+
+    Short turns put many conversation openings (user question, the start of the answer, ``<|im_end|>``) into a
+    small token budget: that, not long documents, is what a chat target must get right first.
+    """
+    kept = [{"role": m["role"], "content": _cut_text(m["content"].strip(), max_chars)} for m in messages[:max_messages]]
+    while kept and kept[-1]["role"] != "assistant":
+        kept.pop()
     return kept
 
 
@@ -138,7 +155,6 @@ def read_conversations(path: str, spec: TinyTargetSpec) -> tuple[list[list[dict]
     train: list[list[dict]] = []
     heldout: list[list[dict]] = []
     needed_chars = spec.train_tokens * CHARS_PER_TOKEN * READ_MARGIN
-    max_chars = int(spec.max_conv_tokens * CHARS_PER_TOKEN * 1.5)
     train_chars = kept = 0
     with contextlib.closing(iter_records(path, read_stats)) as records:
         for record in records:
@@ -146,16 +162,22 @@ def read_conversations(path: str, spec: TinyTargetSpec) -> tuple[list[list[dict]
             if messages is None:
                 skipped[reason] += 1
                 continue
-            messages = _cap_messages([{"role": m["role"], "content": m["content"].strip()} for m in messages], max_chars)
+            messages = _cap_messages(messages, spec.max_messages, spec.max_message_chars)
+            if not messages:
+                skipped["no_early_assistant_turn"] += 1
+                continue
             text = "".join(m["content"] for m in messages)
             if _ascii_frac(text) < spec.min_ascii_frac:
                 skipped["non_ascii"] += 1
+                continue
+            if spec.skip_code and "```" in text:
+                skipped["code_block"] += 1
                 continue
             if kept % spec.heldout_every == 0 and len(heldout) < spec.heldout_conversations:
                 heldout.append(messages)
             else:
                 train.append(messages)
-                train_chars += min(len(text), max_chars)
+                train_chars += len(text)
             kept += 1
             if train_chars >= needed_chars and len(heldout) >= spec.heldout_conversations:
                 break
@@ -229,6 +251,10 @@ def build_model(spec: TinyTargetSpec, tokenizer):
     )
     config.mask_token_id = tokenizer.convert_tokens_to_ids(MASK)  # DFlash's MASK token (also in the tokenizer)
     model = OlmoeForCausalLM(config)
+    embed = model.get_input_embeddings().weight
+    with torch.no_grad():
+        embed.normal_(0.0, spec.embed_init_std)
+        embed[config.pad_token_id].zero_()
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = None
@@ -258,9 +284,10 @@ def _lr_lambda(step: int, total: int, spec: TinyTargetSpec) -> float:
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (incl. the 3-D expert weights), none on norms."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    """Weight decay on matrices (incl. the 3-D expert weights and the LM head); none on norms and the embedding."""
+    embed = model.get_input_embeddings().weight
+    decay = [p for p in model.parameters() if p.dim() >= 2 and p is not embed]
+    no_decay = [p for p in model.parameters() if p.dim() < 2 or p is embed]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
