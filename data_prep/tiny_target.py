@@ -470,7 +470,7 @@ def _build_into(tmp_dir: str, quick: bool, seed: int) -> dict:
     data_path = sharegpt_path()
     torch.manual_seed(seed)
 
-    logger.info("reading ShareGPT from %s", data_path)
+    logger.info("building the %s tiny target: reading ShareGPT from %s", "quick" if quick else "full", data_path)
     train_convs, heldout_convs, data_stats = read_conversations(data_path, spec)
     logger.info("kept %d conversations; skipped %s", data_stats["rows_kept"], data_stats["skipped"])
 
@@ -479,6 +479,7 @@ def _build_into(tmp_dir: str, quick: bool, seed: int) -> dict:
         (m["content"] for conv in train_convs for m in conv), spec.vocab_size, spec.max_position_embeddings
     )
     tokenizer_seconds = time.perf_counter() - t0
+    logger.info("trained a %d-token byte-level BPE in %.1f s", len(tokenizer), tokenizer_seconds)
     rows = pack_conversations(tokenizer, train_convs, spec)  # (N, seq_len)
     heldout = encode_heldout(tokenizer, heldout_convs, spec.seq_len)
 
@@ -488,6 +489,7 @@ def _build_into(tmp_dir: str, quick: bool, seed: int) -> dict:
     logger.info("OLMoE tiny target: %.2fM parameters (%.2fM active per token)", params["total"] / 1e6,
                 params["active_per_token"] / 1e6)
     train_metrics = pretrain(model, rows, spec, seed)
+    logger.info("evaluating on %d held-out conversations", len(heldout))
     evaluation = heldout_perplexity(model, heldout, tokenizer.pad_token_id)
     samples = greedy_samples(model, tokenizer, SAMPLE_PROMPTS)
 
@@ -595,6 +597,8 @@ def format_report(report: dict, output_dir: str) -> str:
 
 def main(args) -> int:
     """`vat prep tiny-target [--output DIR] [--quick] [--force]`."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     output_dir = args.output or tiny_target_dir(args.quick)
     cached = not args.force and read_report(output_dir) is not None
     report = build_tiny_target(output_dir, quick=args.quick, force=args.force)

@@ -115,9 +115,8 @@ def test_assistant_mask_is_exactly_content_plus_im_end(small_tokenizer):
             start = None
     decoded = [tok.decode(ids[a:b]) for a, b in spans]
     assert decoded == ["It is 4.\n\nAnything else?<|im_end|>", "Goodbye!<|im_end|>"]
-    # the token before each span is the "\n" after "<|im_start|>assistant"
-    for a, _ in spans:
-        assert tok.decode(ids[a - 2 : a]) == "assistant\n"
+    for a, _ in spans:  # each span starts right after the assistant header
+        assert tok.decode(ids[:a]).endswith("<|im_start|>assistant\n")
 
 
 def test_tokenizer_training_is_deterministic(small_texts, small_tokenizer):
@@ -171,7 +170,7 @@ def test_pack_conversations_rows(small_tokenizer):
     rows = tt.pack_conversations(small_tokenizer, [CONV] * 10, spec)
     assert rows.dtype == torch.long and rows.shape[1] == 64
     eot = small_tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    n_conv_tokens = len(small_tokenizer.apply_chat_template(CONV, tokenize=True))
+    n_conv_tokens = len(small_tokenizer.apply_chat_template(CONV, tokenize=True, return_dict=True)["input_ids"])
     per_conv = min(n_conv_tokens, 50) + 1
     assert rows.shape[0] == (10 * per_conv) // 64
     assert int((rows == eot).sum()) == (rows.shape[0] * 64) // per_conv
