@@ -25,7 +25,7 @@ from vat.errors import VatError
 class TargetConfig:
     path: str = "tiny"  # HF path or dir; `tiny` = the embedded default ($VAT_HOME/tiny-target, built on demand)
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
-    experts_impl: str = "eager"  # eager | grouped_mm | triton (vat.kernels, budget-aware)
+    experts_impl: str = "grouped_mm"  # grouped_mm (transformers default; 5x eager on CPU) | eager | triton (vat.kernels)
     aux_layer_ids: Optional[list[int]] = None  # 0-indexed layer OUTPUTS; null = EAGLE-3 default [1, L//2-1, L-4]
     device_map: Optional[str] = None  # e.g. "auto" to shard a large target inside one node
 

@@ -209,7 +209,7 @@ def load_target(
     *,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
-    experts_impl: str = "eager",
+    experts_impl: str = "grouped_mm",
     aux_layer_ids: list[int] | None = None,
     device_map: str | None = None,
 ) -> FrozenTarget:

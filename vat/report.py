@@ -1,0 +1,190 @@
+"""The demo's report: training curves and the evaluation, EAGLE-3 vs EAGLE-3 + VAT side by side.
+
+Reads what the stages wrote (each run's ``metrics.jsonl``, the eval.json dict) and writes ``DIR/report.md``,
+``DIR/demo.json`` and ``DIR/training_tau_sim.png``; the evaluation's own PNGs are copied next to the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+
+def _metrics(final_dir: str) -> list[dict]:
+    path = os.path.join(os.path.dirname(final_dir), "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _mean_of_last(rows: list[dict], key: str, n: int = 10) -> float | None:
+    values = [r[key] for r in rows[-n:] if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def training_table(finals: dict[str, str]) -> tuple[list[str], dict[str, dict]]:
+    """Markdown rows comparing the training runs, and the numbers behind them."""
+    lines = [
+        "| draft | steps | loss (end) | τ_sim (start → end) | acc_0 (end) | union_sim (end) | VH AUC (end) | tokens/s | wall |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    summary = {}
+    for name, final in finals.items():
+        rows = _metrics(final)
+        if not rows:
+            continue
+        wall = None
+        wall_file = os.path.join(final, "wall_seconds.json")
+        if os.path.exists(wall_file):
+            wall = json.load(open(wall_file))["train_seconds"]
+        start_tau = _mean_of_last(rows[:10], "tau_sim")
+        end = {k: _mean_of_last(rows, k) for k in ("loss", "tau_sim", "acc_0", "union_sim", "vh_auc", "tokens_per_s")}
+        summary[name] = {"steps": rows[-1]["step"], "tau_sim_start": start_tau, **{f"{k}_end": v for k, v in end.items()},
+                         "train_seconds": wall}
+        lines.append(
+            f"| {name} | {rows[-1]['step']} | {_fmt(end['loss'], 3)} | {_fmt(start_tau)} → {_fmt(end['tau_sim'])} | "
+            f"{_fmt(end['acc_0'], 3)} | {_fmt(end['union_sim'])} | {_fmt(end['vh_auc'], 3)} | "
+            f"{_fmt(end['tokens_per_s'], 0)} | {_fmt(wall / 60 if wall else None, 1)} min |"
+        )
+    return lines, summary
+
+
+def plot_training(finals: dict[str, str], path: str) -> str | None:
+    """τ_sim per training step for every draft (smoothed over 10 logged steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = False
+    for name, final in finals.items():
+        rows = [r for r in _metrics(final) if r.get("tau_sim") is not None]
+        if not rows:
+            continue
+        steps = [r["step"] for r in rows]
+        taus = [r["tau_sim"] for r in rows]
+        smooth = [sum(taus[max(0, i - 9):i + 1]) / len(taus[max(0, i - 9):i + 1]) for i in range(len(taus))]
+        ax.plot(steps, smooth, label=name)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("training step")
+    ax.set_ylabel("simulated acceptance length τ_sim (tokens / round)")
+    ax.set_title("Training-time simulated acceptance length (10-step moving mean)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _label_names(results: dict, finals: dict[str, str]) -> dict[str, str]:
+    """eval label -> demo draft name (by path), AR kept as is."""
+    by_path = {os.path.abspath(p): n for n, p in finals.items()}
+    names = {}
+    for label, info in results.get("drafts", {}).items():
+        path = info.get("path")
+        names[label] = by_path.get(os.path.abspath(path), label) if path else "autoregressive"
+    return names
+
+
+def evaluation_tables(results: dict, finals: dict[str, str]) -> list[str]:
+    """τ, expert union per round, expert bytes per token and speed-up per benchmark, drafts side by side."""
+    names = _label_names(results, finals)
+    per = results.get("results", {})
+    budgets = [str(b) for b in results.get("settings", {}).get("budgets", [])]
+    lines: list[str] = []
+    for bench in results.get("benchmarks", []):
+        lines += [f"### {bench}", "",
+                  "| draft | budget B | τ | union / layer / round | expert MiB / token | tokens/s | speed-up vs AR |",
+                  "|---|---|---|---|---|---|---|"]
+        for label, per_budget in per.items():
+            if names.get(label) == "autoregressive":
+                continue
+            for budget in budgets:
+                m = per_budget.get(budget, {}).get(bench)
+                if not m:
+                    continue
+                union = (m.get("union_per_round") or {}).get("mean")
+                mib = m["expert_bytes_per_token"] / 2**20 if m.get("expert_bytes_per_token") else None
+                lines.append(f"| {names.get(label, label)} | {budget} | {_fmt(m.get('tau'))} | {_fmt(union)} | "
+                             f"{_fmt(mib, 3)} | {_fmt(m.get('tokens_per_s'), 1)} | {_fmt(m.get('speedup_vs_ar'))} |")
+        ar_label = next((lb for lb, n in names.items() if n == "autoregressive"), None)
+        ar = per.get(ar_label, {}).get("none", {}).get(bench) if ar_label else None
+        if ar:
+            union = (ar.get("union_per_round") or {}).get("mean")
+            lines.append(f"| autoregressive | none | 1.00 | {_fmt(union)} | "
+                         f"{_fmt(ar['expert_bytes_per_token'] / 2**20 if ar.get('expert_bytes_per_token') else None, 3)} | "
+                         f"{_fmt(ar.get('tokens_per_s'), 1)} | 1.00 |")
+        lines.append("")
+        # per category, no budget
+        cats: dict[str, dict[str, float]] = {}
+        for label, per_budget in per.items():
+            if names.get(label) == "autoregressive":
+                continue
+            m = per_budget.get(budgets[0] if budgets else "none", {}).get(bench) or {}
+            for cat, cm in (m.get("categories") or {}).items():
+                cats.setdefault(cat, {})[names.get(label, label)] = cm.get("tau")
+        drafts = [names[label] for label in per if names.get(label) != "autoregressive"]
+        if len(cats) > 1:
+            lines += [f"τ per category ({bench}, no budget):", "", "| category | " + " | ".join(drafts) + " |",
+                      "|---|" + "---|" * len(drafts)]
+            for cat, taus in cats.items():
+                lines.append(f"| {cat} | " + " | ".join(_fmt(taus.get(d)) for d in drafts) + " |")
+            lines.append("")
+    return lines
+
+
+def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir: str, wall_seconds: float,
+                      quick: bool = False) -> str:
+    """Write ``out/report.md`` (+ demo.json, PNGs); returns the report path."""
+    train_lines, train_summary = training_table(finals)
+    curve = plot_training(finals, os.path.join(out, "training_tau_sim.png"))
+    pngs = []
+    for name in sorted(os.listdir(eval_dir)) if os.path.isdir(eval_dir) else []:
+        if name.endswith(".png"):
+            shutil.copy(os.path.join(eval_dir, name), os.path.join(out, name))
+            pngs.append(name)
+    info = results.get("target_info", {})
+    lines = [
+        f"# vat demo{' (quick)' if quick else ''}: EAGLE-3 vs EAGLE-3 + VAT on the embedded tiny MoE target",
+        "",
+        f"Target: `{results.get('target')}` — OLMoE architecture, {info.get('num_experts')} experts, top-"
+        f"{info.get('top_k')}, {len(info.get('moe_layer_ids', []))} MoE layers. Chain drafting K = "
+        f"{results.get('settings', {}).get('steps')}, greedy verification; budgets are per MoE layer per "
+        "verification round (MoE-Spec, substitute policy). Wall time of the whole demo: "
+        f"{wall_seconds / 60:.1f} min.",
+        "",
+        "## Training (same data, steps and seed)",
+        "",
+        *train_lines,
+        "",
+    ]
+    if curve:
+        lines += ["![τ_sim during training](training_tau_sim.png)", ""]
+    lines += ["## Speculative decoding (measured, not simulated)", "", *evaluation_tables(results, finals)]
+    for name in pngs:
+        lines += [f"![{name}]({name})", ""]
+    lines += ["Full per-benchmark metrics: `eval/eval.json`; generations: `eval/generations.jsonl`.", ""]
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.join(out, "demo.json"), "w") as f:
+        json.dump({"wall_seconds": wall_seconds, "quick": quick, "training": train_summary,
+                   "drafts": {n: p for n, p in finals.items()}, "eval": os.path.join(eval_dir, "eval.json")}, f,
+                  indent=2)
+    return path
