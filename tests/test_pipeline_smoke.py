@@ -29,7 +29,7 @@ def test_demo_quick_writes_report_tables_and_plots(demo_dir):
     assert "| eagle3 |" in report and "| eagle3+vat |" in report
     for heading in ("spec_bench", "humaneval"):
         assert f"### {heading}" in report
-    for budget in ("| none |", "| 8 |", "| 6 |"):
+    for budget in ("| none |", "| 6 |", "| 4 |"):
         assert budget in report
     pngs = sorted(p.name for p in demo_dir.glob("*.png"))
     assert "training_tau_sim.png" in pngs and len(pngs) >= 4

@@ -42,11 +42,11 @@ class DemoPlan:
 def plan_for(quick: bool) -> DemoPlan:
     drafts = {"eagle3": ["eagle3.yaml"], "eagle3+vat": ["eagle3_vat.yaml"]}  # recipe, then overrides
     if quick:
-        return DemoPlan(target="tiny-quick", regen_conversations=8, regen_new_tokens=32, train_steps=30,
-                        eval_limit=2, max_new_tokens=24, budgets=[None, 8, 6],
+        return DemoPlan(target="tiny-quick", regen_conversations=8, regen_new_tokens=32, train_steps=20,
+                        eval_limit=2, max_new_tokens=16, budgets=[None, 6, 4],
                         drafts=drafts, train_overrides=["data.tokens_per_batch=1024", "data.max_length=256"])
     return DemoPlan(target="tiny", regen_conversations=48, regen_new_tokens=96, train_steps=240,
-                    eval_limit=13, max_new_tokens=64, budgets=[None, 8, 6],
+                    eval_limit=13, max_new_tokens=64, budgets=[None, 6, 4],
                     drafts=drafts, train_overrides=["data.tokens_per_batch=2048", "data.max_length=512"])
 
 

@@ -36,7 +36,7 @@ def _mean_of_last(rows: list[dict], key: str, n: int = 10) -> float | None:
 def training_table(finals: dict[str, str]) -> tuple[list[str], dict[str, dict]]:
     """Markdown rows comparing the training runs, and the numbers behind them."""
     lines = [
-        "| draft | steps | loss (end) | τ_sim (start → end) | acc_0 (end) | union_sim (end) | VH AUC (end) | tokens/s | wall |",
+        "| draft | steps | objective (end) | τ_sim (start → end) | acc_0 (end) | union_sim (end) | VH AUC (end) | tokens/s | wall |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     summary = {}
