@@ -108,22 +108,12 @@ def profile_target(target, prompts_ids: list[list[int]], window: int, budget=Non
     return result
 
 
-def _render(tokenizer, text: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if isinstance(rendered, dict) or hasattr(rendered, "input_ids"):
-            rendered = rendered["input_ids"]
-        return list(rendered)
-    return tokenizer(text)["input_ids"]
-
-
 def main(args: argparse.Namespace) -> int:
     """Entry point of `vat profile` (setup -> run -> write)."""
     from transformers import AutoTokenizer
 
     from vat.eval.benchmarks import load_benchmark
+    from vat.eval.prompts import render_chat
 
     if args.window < 1:
         raise VatError("--window must be >= 1")
@@ -135,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
     except OSError as err:
         raise VatError(f"cannot load the target's tokenizer from {args.target}: {str(err).splitlines()[0]}") from None
     prompts = load_benchmark(args.benchmark, limit=args.limit)
-    prompts_ids = [_render(tokenizer, p.turns[0])[: args.max_length] for p in prompts]
+    prompts_ids = [render_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])[: args.max_length] for p in prompts]
     result = profile_target(target, prompts_ids, args.window, budget, args.policy)
     result.update({"target": args.target, "benchmark": args.benchmark, "seconds": round(time.time() - start, 2)})
     os.makedirs(args.output, exist_ok=True)
