@@ -433,6 +433,24 @@ def read_report(output_dir: str) -> dict | None:
 
 
 @contextlib.contextmanager
+def deterministic_cpu(num_threads: int = NUM_THREADS):
+    """Run with ``num_threads`` intra-op threads and deterministic algorithms; restore both afterwards.
+
+    With 2 threads some CPU kernels (the index accumulation in the experts' backward) are not bit-reproducible
+    unless deterministic algorithms are on; the cost is negligible at this size.
+    """
+    threads = torch.get_num_threads()
+    det, det_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(det, warn_only=det_warn)
+
+
+@contextlib.contextmanager
 def _build_lock(output_dir: str):
     """Hold an exclusive lock on ``<output_dir>.lock`` so concurrent builds of one directory run one at a time."""
     try:
@@ -515,6 +533,7 @@ def _build_into(tmp_dir: str, quick: bool, seed: int) -> dict:
         "build_seconds": time.perf_counter() - start,
         "build_cpu_seconds": time.process_time() - cpu_start,
         "num_threads": torch.get_num_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "data": data_stats,
         "samples": samples,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -554,17 +573,15 @@ def build_tiny_target(output_dir: str, quick: bool = False, seed: int = 0, force
             return cached
         tmp_dir = f"{output_dir}.tmp-{os.getpid()}"
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(min(NUM_THREADS, os.cpu_count() or 1))
         try:
-            report = _build_into(tmp_dir, quick, seed)
+            with deterministic_cpu():
+                report = _build_into(tmp_dir, quick, seed)
             old = f"{output_dir}.old-{os.getpid()}"
             if os.path.exists(output_dir):  # force (or an empty directory): swap the old one out
                 os.rename(output_dir, old)
             os.rename(tmp_dir, output_dir)
             shutil.rmtree(old, ignore_errors=True)
         finally:
-            torch.set_num_threads(threads)
             shutil.rmtree(tmp_dir, ignore_errors=True)
     return report
 

@@ -208,6 +208,21 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
 
 
+def test_pretrain_is_bit_reproducible(small_tokenizer):
+    spec = replace(tt.QUICK_SPEC, vocab_size=1024, num_hidden_layers=2, train_tokens=3 * 4 * 64, seq_len=64)
+    rows = torch.randint(5, 1024, (16, 64), generator=torch.Generator().manual_seed(1))  # (N, T)
+    states = []
+    with tt.deterministic_cpu(num_threads=2):
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = tt.build_model(spec, small_tokenizer)
+            metrics = tt.pretrain(model, rows, spec, seed=0)
+            states.append(model.state_dict())
+    assert metrics["steps"] == 3 and metrics["tokens_trained"] == 3 * 4 * 64
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert not torch.equal(states[0]["lm_head.weight"], tt.build_model(spec, small_tokenizer).lm_head.weight)
+
+
 def test_cache_check_refuses_foreign_dirs(tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
