@@ -60,9 +60,11 @@ class RoutingCounts:
         """(V_rows, L', E) smoothed affinity table."""
         if alpha <= 0 and bool((self.token_counts == 0).any()):
             raise VatError("alpha must be > 0 when some rows were never seen (their affinity would be 0/0)")
+        from vat.affinity import smoothed_affinity
+
         marg = self.marginal(top_k).to(self.counts.device)  # (L', E) fp64
-        n = self.token_counts.to(torch.float64).view(-1, 1, 1)  # (V_rows, 1, 1)
-        return ((self.counts.to(torch.float64) + alpha * marg) / (n + alpha)).to(torch.float32)
+        table = smoothed_affinity(self.counts.to(torch.float64), self.token_counts.to(torch.float64), marg, alpha)
+        return table.to(torch.float32)
 
 
 def _row_map(vocab_rows, device) -> tuple[torch.Tensor | None, int]:

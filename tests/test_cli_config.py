@@ -73,3 +73,22 @@ def test_readme_cli_reference_is_generated_from_the_cli():
     readme = open(os.path.join(root, "README.md")).read()
     block = readme.split(module.START, 1)[1].split(module.END, 1)[0].strip()
     assert block == module.reference().strip(), "README CLI reference is stale: python scripts/cli_reference.py --write"
+
+
+def test_enumerated_values_are_checked_at_load_time():
+    # YAML reads an unquoted `no` as false: it still means "no mixed precision"
+    assert load_config(None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    with pytest.raises(VatError, match=r"`substitue` for config key `budget.policy` \(did you mean `substitute`\?\)"):
+        load_config(None, ["budget.policy=substitue"])
+    with pytest.raises(VatError, match="train.scheduler.*one of cosine, constant"):
+        load_config(None, ["train.scheduler=linear"])
+
+
+def test_config_choices_match_the_modules_that_use_them():
+    from vat.config import CHOICES
+    from vat.target.budget import POLICIES, SCOPES
+    from vat.target.model import EXPERTS_IMPLS
+    from vat.verify import ACCEPTANCE_RULES
+
+    assert CHOICES["budget.policy"] == POLICIES and CHOICES["budget.scope"] == SCOPES
+    assert CHOICES["target.experts_impl"] == EXPERTS_IMPLS and CHOICES["loss.acceptance"] == ACCEPTANCE_RULES

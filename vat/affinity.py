@@ -15,6 +15,23 @@ from vat.errors import VatError, require_file
 AFFINITY_KEY = "affinity"
 
 
+def smoothed_affinity(counts: Tensor, token_counts: Tensor, marginal: Tensor, strength: float) -> Tensor:
+    """``A[v] = (counts[v] + s·marginal) / (token_counts[v] + s)``: one row per token, pulled toward the marginal.
+
+    The one smoothing formula of the project (the online EMA table and ``vat prep affinity`` both use it).
+
+    Args:
+        counts: (V_rows, L', E) expert selections per row token.
+        token_counts: (V_rows,) occurrences of each row token.
+        marginal: (L', E) per-layer selection probability over all tokens.
+        strength: s, pseudo-occurrences of the marginal in every row.
+
+    Returns:
+        (V_rows, L', E) table in the dtype of ``counts``.
+    """
+    return (counts + strength * marginal) / (token_counts.view(-1, 1, 1) + strength)
+
+
 class OnlineAffinity(nn.Module):
     """EMA affinity table; an ``nn.Module`` whose buffers go into the checkpoint with :meth:`state_dict`.
 
@@ -112,8 +129,7 @@ class OnlineAffinity(nn.Module):
         """``(V_rows, L', E)`` fp32 affinity table (the argument of :func:`vat.losses.expected_expert_use`)."""
         if bool(self.frozen):
             return self.counts / self.token_counts.clamp_min(1e-30).view(-1, 1, 1)
-        s = self.prior_strength
-        return (self.counts + s * self.marginal()) / (self.token_counts.view(-1, 1, 1) + s)
+        return smoothed_affinity(self.counts, self.token_counts, self.marginal(), self.prior_strength)
 
     @torch.no_grad()
     def load_table(self, table: Tensor, frozen: bool = True, pseudo_count: float = 100.0) -> None:

@@ -247,8 +247,35 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[list[str]] = N
         raise _type_error(err) from None
     except (ConfigKeyError, ConfigAttributeError) as err:
         raise VatError(f"unknown config key: {str(err).splitlines()[0]}") from None
+    _check_choices(cfg)
     apply_method_preset(cfg)
     return cfg  # type: ignore[return-value]
+
+
+# keys whose value is one of a fixed set; checked when the config loads, before any model is
+CHOICES: dict[str, tuple[str, ...]] = {
+    "target.experts_impl": ("eager", "grouped_mm", "batched_mm", "triton"),
+    "drafter.kind": ("eagle3", "dflash"),
+    "loss.acceptance": ("greedy", "expected", "sampled"),
+    "budget.policy": ("substitute", "truncate"),
+    "budget.scope": ("sequence", "batch"),
+    "train.scheduler": ("cosine", "constant"),
+    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
+    "logging.wandb.mode": ("disabled", "offline", "online"),
+}
+
+
+def _check_choices(cfg: Any) -> None:
+    """One line naming the key, the value and the valid ones (closest first) for an out-of-set value."""
+    for key, valid in CHOICES.items():
+        section, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, section)
+        value = node[leaf]
+        if value == "False" and "no" in valid:  # YAML reads an unquoted `no` as false
+            node[leaf] = value = "no"
+        if value not in valid:
+            raise VatError(f"bad value `{value}` for config key `{key}`{_closest(str(value), list(valid))}; "
+                           f"one of {', '.join(valid)}")
 
 
 def apply_method_preset(cfg: Any) -> None:
