@@ -31,6 +31,15 @@ def test_demo_quick_writes_report_tables_and_plots(demo_dir):
         assert f"### {heading}" in report
     for budget in ("| none |", "| 6 |", "| 4 |"):
         assert budget in report
+    assert "| benchmark | budget B | τ eagle3 | τ eagle3+vat |" in report
+    head = json.loads((demo_dir / "demo.json").read_text())["headline"]
+    assert [(r["benchmark"], r["budget"]) for r in head] == [
+        (b, B) for b in ("spec_bench", "humaneval") for B in ("none", "6", "4")]
+    for row in head:
+        for draft in ("eagle3", "eagle3+vat"):
+            assert row[draft]["tau"] >= 1.0 and row[draft]["expert_mib_per_token"] > 0
+            if row["budget"] != "none":
+                assert row[draft]["union_per_round"] <= int(row["budget"])
     pngs = sorted(p.name for p in demo_dir.glob("*.png"))
     assert "training_tau_sim.png" in pngs and len(pngs) >= 4
     for png in pngs:

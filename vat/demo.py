@@ -37,6 +37,8 @@ class DemoPlan:
     budgets: list[int | None] = field(default_factory=list)
     drafts: dict[str, list[str]] = field(default_factory=dict)
     train_overrides: list[str] = field(default_factory=list)  # applied to every draft's recipe
+    # measured stage times on 2 idle CPU cores (s), for the "min left" estimate: target build, data, one draft, eval
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def plan_for(quick: bool) -> DemoPlan:
@@ -44,29 +46,33 @@ def plan_for(quick: bool) -> DemoPlan:
     if quick:
         return DemoPlan(target="tiny-quick", regen_conversations=8, regen_new_tokens=32, train_steps=20,
                         eval_limit=2, max_new_tokens=16, budgets=[None, 6, 4],
-                        drafts=drafts, train_overrides=["data.tokens_per_batch=1024", "data.max_length=256"])
-    return DemoPlan(target="tiny", regen_conversations=48, regen_new_tokens=96, train_steps=240,
-                    eval_limit=13, max_new_tokens=64, budgets=[None, 6, 4],
-                    drafts=drafts, train_overrides=["data.tokens_per_batch=2048", "data.max_length=512"])
+                        drafts=drafts, train_overrides=["data.tokens_per_batch=1024", "data.max_length=256"],
+                        seconds={"target": 60, "data": 25, "train": 14, "eval": 12})
+    return DemoPlan(target="tiny", regen_conversations=48, regen_new_tokens=96, train_steps=180,
+                    eval_limit=13, max_new_tokens=48, budgets=[None, 6, 4],
+                    drafts=drafts, train_overrides=["data.tokens_per_batch=2048", "data.max_length=512"],
+                    seconds={"target": 665, "data": 78, "train": 370, "eval": 200})
 
 
 class Stages:
-    """Prints numbered stage headers with elapsed time and an estimate of what is left."""
+    """Prints numbered stage headers with elapsed time and an estimate of what is left.
 
-    def __init__(self, names: list[str], weights: list[float]):
-        self.names, self.weights = names, weights
+    ``expected`` holds each stage's time on 2 idle cores (s); the estimate scales what is left by how fast the
+    finished stages actually went, so a busier or faster machine corrects it after the first stage.
+    """
+
+    def __init__(self, names: list[str], expected: list[float]):
+        self.names, self.expected = names, expected
         self.start = time.time()
         self.index = 0
 
     def next(self) -> None:
-        done = sum(self.weights[: self.index])
+        done = sum(self.expected[: self.index])
         elapsed = time.time() - self.start
-        left = ""
-        if done > 0:
-            remaining = elapsed / done * (sum(self.weights) - done)
-            left = f", about {remaining / 60:.1f} min left"
+        pace = elapsed / done if done > 0 and elapsed > 1 else 1.0
+        remaining = pace * (sum(self.expected) - done)
         print(f"\n[vat demo {self.index + 1}/{len(self.names)}] {self.names[self.index]} "
-              f"({elapsed / 60:.1f} min elapsed{left})", flush=True)
+              f"({elapsed / 60:.1f} min elapsed, about {remaining / 60:.1f} min left)", flush=True)
         self.index += 1
 
 
@@ -137,6 +143,7 @@ def main(args: argparse.Namespace) -> int:
     from vat.data_prep.tiny_target import ensure_tiny_target
     from vat.defaults import ensure_draft_vocab
     from vat.eval.run import run_eval
+    from vat.paths import tiny_target_dir
     from vat.report import write_demo_report
 
     plan = plan_for(args.quick)
@@ -145,8 +152,10 @@ def main(args: argparse.Namespace) -> int:
     names = ["embedded tiny MoE target", "training data (ShareGPT + target-regenerated subset)", "draft vocabulary"]
     names += [f"training {name}" for name in plan.drafts]
     names += ["speculative-decoding evaluation (Spec-Bench, HumanEval; budgets none and two smaller)", "report"]
-    weights = [2, 2, 0.2] + [6] * len(plan.drafts) + [8, 0.2]
-    stages = Stages(names, weights)
+    built = os.path.exists(os.path.join(tiny_target_dir(args.quick), "model.safetensors"))
+    sec = plan.seconds
+    expected = [1 if built else sec["target"], sec["data"], 1] + [sec["train"]] * len(plan.drafts) + [sec["eval"], 1]
+    stages = Stages(names, expected)
     start = time.time()
 
     stages.next()

@@ -102,6 +102,41 @@ def _label_names(results: dict, finals: dict[str, str]) -> dict[str, str]:
     return names
 
 
+def _union_mib(m: dict) -> tuple[float | None, float | None]:
+    """(mean expert union per layer per round, expert MiB read per generated token) of one eval cell."""
+    union = (m.get("union_per_round") or {}).get("mean")
+    mib = m["expert_bytes_per_token"] / 2**20 if m.get("expert_bytes_per_token") else None
+    return union, mib
+
+
+def headline(results: dict, finals: dict[str, str]) -> tuple[list[str], list[dict]]:
+    """One row per benchmark and budget with every draft's τ, union per round and expert MiB per token side by side.
+
+    Returns the Markdown lines and the same numbers as dicts (for ``demo.json``).
+    """
+    names = _label_names(results, finals)
+    per = results.get("results", {})
+    budgets = [str(b) for b in results.get("settings", {}).get("budgets", [])]
+    drafts = [(label, names[label]) for label in per if names.get(label) != "autoregressive"]
+    heads = [f"{what} {name}" for what in ("τ", "union/layer/round", "MiB/token") for _, name in drafts]
+    lines = ["| benchmark | budget B | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
+    rows = []
+    for bench in results.get("benchmarks", []):
+        for budget in budgets:
+            cells = {name: per[label].get(budget, {}).get(bench) for label, name in drafts}
+            if not any(cells.values()):
+                continue
+            row = {"benchmark": bench, "budget": budget}
+            for name, m in cells.items():
+                union, mib = _union_mib(m or {})
+                row[name] = {"tau": (m or {}).get("tau"), "union_per_round": union, "expert_mib_per_token": mib}
+            rows.append(row)
+            values = [_fmt(row[n]["tau"]) for _, n in drafts] + [_fmt(row[n]["union_per_round"]) for _, n in drafts]
+            values += [_fmt(row[n]["expert_mib_per_token"], 3) for _, n in drafts]
+            lines.append(f"| {bench} | {budget} | " + " | ".join(values) + " |")
+    return lines, rows
+
+
 def evaluation_tables(results: dict, finals: dict[str, str]) -> list[str]:
     """τ, expert union per round, expert bytes per token and speed-up per benchmark, drafts side by side."""
     names = _label_names(results, finals)
@@ -119,32 +154,30 @@ def evaluation_tables(results: dict, finals: dict[str, str]) -> list[str]:
                 m = per_budget.get(budget, {}).get(bench)
                 if not m:
                     continue
-                union = (m.get("union_per_round") or {}).get("mean")
-                mib = m["expert_bytes_per_token"] / 2**20 if m.get("expert_bytes_per_token") else None
+                union, mib = _union_mib(m)
                 lines.append(f"| {names.get(label, label)} | {budget} | {_fmt(m.get('tau'))} | {_fmt(union)} | "
                              f"{_fmt(mib, 3)} | {_fmt(m.get('tokens_per_s'), 1)} | {_fmt(m.get('speedup_vs_ar'))} |")
         ar_label = next((lb for lb, n in names.items() if n == "autoregressive"), None)
         ar = per.get(ar_label, {}).get("none", {}).get(bench) if ar_label else None
         if ar:
-            union = (ar.get("union_per_round") or {}).get("mean")
-            lines.append(f"| autoregressive | none | 1.00 | {_fmt(union)} | "
-                         f"{_fmt(ar['expert_bytes_per_token'] / 2**20 if ar.get('expert_bytes_per_token') else None, 3)} | "
+            union, mib = _union_mib(ar)
+            lines.append(f"| autoregressive | none | 1.00 | {_fmt(union)} | {_fmt(mib, 3)} | "
                          f"{_fmt(ar.get('tokens_per_s'), 1)} | 1.00 |")
         lines.append("")
-        # per category, no budget
-        cats: dict[str, dict[str, float]] = {}
-        for label, per_budget in per.items():
-            if names.get(label) == "autoregressive":
-                continue
-            m = per_budget.get(budgets[0] if budgets else "none", {}).get(bench) or {}
+        # per category, every draft under every budget
+        drafts = [(label, names[label]) for label in per if names.get(label) != "autoregressive"]
+        columns = [(label, name, budget) for budget in budgets for label, name in drafts]
+        cats: dict[str, dict[int, float]] = {}
+        for i, (label, _, budget) in enumerate(columns):
+            m = per[label].get(budget, {}).get(bench) or {}
             for cat, cm in (m.get("categories") or {}).items():
-                cats.setdefault(cat, {})[names.get(label, label)] = cm.get("tau")
-        drafts = [names[label] for label in per if names.get(label) != "autoregressive"]
+                cats.setdefault(cat, {})[i] = cm.get("tau")
         if len(cats) > 1:
-            lines += [f"τ per category ({bench}, no budget):", "", "| category | " + " | ".join(drafts) + " |",
-                      "|---|" + "---|" * len(drafts)]
+            heads = [f"{name} ({'no budget' if budget == 'none' else f'B={budget}'})" for _, name, budget in columns]
+            lines += [f"τ per category ({bench}):", "", "| category | " + " | ".join(heads) + " |",
+                      "|---|" + "---|" * len(heads)]
             for cat, taus in cats.items():
-                lines.append(f"| {cat} | " + " | ".join(_fmt(taus.get(d)) for d in drafts) + " |")
+                lines.append(f"| {cat} | " + " | ".join(_fmt(taus.get(i)) for i in range(len(columns))) + " |")
             lines.append("")
     return lines
 
@@ -153,6 +186,7 @@ def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir:
                       quick: bool = False) -> str:
     """Write ``out/report.md`` (+ demo.json, PNGs); returns the report path."""
     train_lines, train_summary = training_table(finals)
+    head_lines, head_rows = headline(results, finals)
     curve = plot_training(finals, os.path.join(out, "training_tau_sim.png"))
     pngs = []
     for name in sorted(os.listdir(eval_dir)) if os.path.isdir(eval_dir) else []:
@@ -169,6 +203,13 @@ def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir:
         "verification round (MoE-Spec, substitute policy). Wall time of the whole demo: "
         f"{wall_seconds / 60:.1f} min.",
         "",
+        "## Headline: acceptance length τ, expert union per round and expert bytes per token",
+        "",
+        "Measured with real speculative decoding (the target verifies every drafted token); union = distinct experts "
+        "per MoE layer per verification round; MiB/token = expert weights read per generated token.",
+        "",
+        *head_lines,
+        "",
         "## Training (same data, steps and seed)",
         "",
         *train_lines,
@@ -184,7 +225,7 @@ def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir:
     with open(path, "w") as f:
         f.write("\n".join(lines))
     with open(os.path.join(out, "demo.json"), "w") as f:
-        json.dump({"wall_seconds": wall_seconds, "quick": quick, "training": train_summary,
+        json.dump({"wall_seconds": wall_seconds, "quick": quick, "headline": head_rows, "training": train_summary,
                    "drafts": {n: p for n, p in finals.items()}, "eval": os.path.join(eval_dir, "eval.json")}, f,
                   indent=2)
     return path
