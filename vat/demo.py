@@ -48,31 +48,40 @@ def plan_for(quick: bool) -> DemoPlan:
                         eval_limit=2, max_new_tokens=16, budgets=[None, 6, 4],
                         drafts=drafts, train_overrides=["data.tokens_per_batch=1024", "data.max_length=256"],
                         seconds={"target": 60, "data": 25, "train": 14, "eval": 12})
-    return DemoPlan(target="tiny", regen_conversations=48, regen_new_tokens=96, train_steps=180,
+    return DemoPlan(target="tiny", regen_conversations=48, regen_new_tokens=96, train_steps=160,
                     eval_limit=13, max_new_tokens=48, budgets=[None, 6, 4],
                     drafts=drafts, train_overrides=["data.tokens_per_batch=2048", "data.max_length=512"],
-                    seconds={"target": 665, "data": 78, "train": 370, "eval": 200})
+                    seconds={"target": 690, "data": 78, "train": 350, "eval": 205})
 
 
 class Stages:
     """Prints numbered stage headers with elapsed time and an estimate of what is left.
 
-    ``expected`` holds each stage's time on 2 idle cores (s); the estimate scales what is left by how fast the
-    finished stages actually went, so a busier or faster machine corrects it after the first stage.
+    ``expected`` holds each stage's time on 2 idle cores (s). The estimate scales what is left by how fast the
+    finished stages that did real work went (a stage served from the cache in under a tenth of its expected time
+    says nothing about the machine), so a busier or faster machine corrects it after its first real stage.
     """
 
     def __init__(self, names: list[str], expected: list[float]):
         self.names, self.expected = names, expected
         self.start = time.time()
+        self.marks: list[float] = []  # start time of each stage begun
         self.index = 0
 
+    def pace(self, now: float) -> float:
+        """Actual / expected time over the finished stages that were not served from the cache (1 without any)."""
+        ends = self.marks[1:] + [now]
+        worked = [(end - begin, exp) for begin, end, exp in zip(self.marks, ends, self.expected)
+                  if end - begin > 0.1 * exp]
+        return sum(a for a, _ in worked) / sum(e for _, e in worked) if worked else 1.0
+
     def next(self) -> None:
-        done = sum(self.expected[: self.index])
-        elapsed = time.time() - self.start
-        pace = elapsed / done if done > 0 and elapsed > 1 else 1.0
-        remaining = pace * (sum(self.expected) - done)
+        now = time.time()
+        pace = self.pace(now)
+        remaining = pace * sum(self.expected[self.index:])
         print(f"\n[vat demo {self.index + 1}/{len(self.names)}] {self.names[self.index]} "
-              f"({elapsed / 60:.1f} min elapsed, about {remaining / 60:.1f} min left)", flush=True)
+              f"({(now - self.start) / 60:.1f} min elapsed, about {remaining / 60:.1f} min left)", flush=True)
+        self.marks.append(now)
         self.index += 1
 
 

@@ -1,0 +1,27 @@
+"""The demo's stage ETA: scaled by the pace of stages that did real work, blind to stages served from the cache."""
+
+from __future__ import annotations
+
+import time
+
+from vat.demo import Stages, plan_for
+
+
+def test_pace_ignores_cached_stages_and_scales_by_real_ones(capsys):
+    stages = Stages(["target", "data", "train"], [100.0, 10.0, 10.0])
+    assert stages.pace(0.0) == 1.0  # nothing finished: the expected times as they are
+    stages.marks = [0.0, 1.0]  # target served from the cache in 1 s of 100: says nothing about the machine
+    assert stages.pace(21.0) == 2.0  # data took 20 s of an expected 10
+    stages.index = 2
+    now = time.time()
+    stages.marks = [now - 21.0, now - 20.0]
+    stages.next()
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[vat demo 3/3] train") and "about 0.3 min left" in line  # 2.0 x 10 s
+
+
+def test_plans_are_the_same_pipeline_smaller():
+    quick, full = plan_for(True), plan_for(False)
+    assert quick.drafts == full.drafts and quick.budgets == full.budgets == [None, 6, 4]
+    assert quick.train_steps < full.train_steps and quick.eval_limit < full.eval_limit
+    assert set(quick.seconds) == set(full.seconds) == {"target", "data", "train", "eval"}
