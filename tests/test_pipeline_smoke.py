@@ -45,6 +45,7 @@ def test_demo_quick_writes_report_tables_and_plots(demo_dir):
     for png in pngs:
         assert (demo_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ev = json.loads((demo_dir / "eval" / "eval.json").read_text())
+    assert set(ev["results"]) == {"eagle3", "eagle3+vat", "none"}  # the demo's names label every eval output
     for label, per_budget in ev["results"].items():
         for budget, per_bench in per_budget.items():
             for bench, m in per_bench.items():

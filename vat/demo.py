@@ -182,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
         finals[name] = train_draft(name, recipe, plan, data, vocab, out)
     stages.next()
     eval_dir = os.path.join(out, "eval")
-    results = run_eval(target=target_dir, drafts=[*finals.values(), "none"], benchmarks=["spec_bench", "humaneval"],
+    results = run_eval(target=target_dir, drafts=[*finals.items(), "none"], benchmarks=["spec_bench", "humaneval"],
                        steps=7, budgets=plan.budgets, max_new_tokens=plan.max_new_tokens, limit=plan.eval_limit,
                        output=eval_dir, device="cpu")
     stages.next()

@@ -96,14 +96,17 @@ def _load_drafts(drafts: list[Any]) -> list[DraftEntry]:
 
     entries, taken = [], set()
     for i, spec in enumerate(drafts):
+        label = None
+        if isinstance(spec, tuple):
+            label, spec = spec
         if spec is None or (isinstance(spec, str) and spec.lower() == AR_LABEL):
             continue
         if isinstance(spec, Eagle3Drafter):
-            entries.append(DraftEntry(label=_draft_label(f"draft{i}", taken), path=None, model=spec))
+            entries.append(DraftEntry(label=_draft_label(label or f"draft{i}", taken), path=None, model=spec))
             continue
         path = str(spec)
         model, _ = load_draft(path)
-        entries.append(DraftEntry(label=_draft_label(path, taken), path=path, model=model))
+        entries.append(DraftEntry(label=_draft_label(label or path, taken), path=path, model=model))
     return entries
 
 
@@ -256,7 +259,8 @@ def run_eval(
         target: target path (``tiny`` for the embedded one), a loaded ``FrozenTarget`` or model; None = the path the
             first draft records (``target_path``).
         drafts: draft directories (vat ``final/``, SGLang or speculators exports), ``Eagle3Drafter`` objects, or
-            ``none`` (the AR baseline always runs).
+            ``none`` (the AR baseline always runs); a ``(label, draft)`` pair names the draft in every output
+            (default: its directory).
         benchmarks: names or files for :func:`vat.eval.benchmarks.load_benchmark`.
         steps: chain length K.
         tree: ``"top_k,depth,total_tokens"`` or a :class:`TreeSpec` for dynamic trees (None = chain).
