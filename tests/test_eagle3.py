@@ -359,3 +359,23 @@ def test_check_draft_matches_target():
     with pytest.raises(VatError, match=r"out of range for a 4-layer target: \[4\]"):
         check_draft_matches_target(tiny_config(num_target_layers=None), HT, V, 4)
     assert check_draft_matches_target(tiny_config(aux_layer_ids=None, num_target_layers=None), HT, V, 32) == [1, 15, 28]
+
+
+def test_detached_verification_head_trains_the_head_only():
+    """``loss.vh_detach``: the VH's BCE reaches the head's weights and nothing of the draft body."""
+    import torch.nn.functional as F
+
+    model = make_model(tiny_config(verification_head=True)).train()
+    aux, ids = batch()
+    out = model.ttt_forward(aux, ids, ttt_steps=3)
+    torch.testing.assert_close(model.verification_logits(out.hidden), out.vh_logits)
+    for detach in (False, True):
+        model.zero_grad(set_to_none=True)
+        out = model.ttt_forward(aux, ids, ttt_steps=3)
+        vh = model.verification_logits(out.hidden, detach=detach)
+        F.binary_cross_entropy_with_logits(vh, torch.ones_like(vh)).backward()
+        assert model.verification_head.weight.grad.abs().sum() > 0
+        body = model.fc.weight.grad
+        assert (body is None) == detach, detach
+    with pytest.raises(VatError, match="no verification head"):
+        make_model(tiny_config()).verification_logits(out.hidden)

@@ -68,6 +68,7 @@ class LossConfig:
     adaptive_weights: Optional[bool] = None  # verification-adaptive weighting; null = from method
     prefix_only: bool = False  # ablation: zero weight after the first rejection (documented collapse)
     vh_weight: Optional[float] = None  # beta for the verification-head BCE; null = from method (vat: 1.0)
+    vh_detach: bool = False  # the VH reads a detached hidden state: its BCE trains the head, not the draft body
     union_weight: float = 0.0  # lambda for the expert-union penalty (0 = off)
     union_top_m: int = 8  # candidates per draft step in the expected expert use
     union_max_anchors: Optional[int] = 1024  # anchors sampled per step for the union term (memory N·K·L'·E); null = all

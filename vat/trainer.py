@@ -234,14 +234,17 @@ class Trainer:
         # the verification block of anchor t starts with the root token t+1, whose routing is known exactly
         anchor_routing = ttt_anchor_routing(topk, self.target.num_experts)  # (B, T, L', E)
         verification = simulate_verification(out.logits, gathered, valid, acceptance=self.switches.acceptance)
+        vh_logits = out.vh_logits  # (B, T, K) or None
+        if vh_logits is not None and self.cfg.loss.vh_detach:
+            vh_logits = self.accelerator.unwrap_model(self.drafter).verification_logits(out.hidden, detach=True)
         loss, metrics = vat_objective(
-            out.logits, gathered, valid, self.switches, vh_logits=out.vh_logits,
+            out.logits, gathered, valid, self.switches, vh_logits=vh_logits,
             affinity=self.affinity.table(), anchor_routing=anchor_routing, verification=verification,
             union_anchors=self._union_anchors(verification.anchor_valid),
         )
-        if out.vh_logits is not None:  # kept for an exact AUC over the logging window
+        if vh_logits is not None:  # kept for an exact AUC over the logging window
             mask = verification.valid
-            self.vh_pairs.append((out.vh_logits.detach()[mask].float(), verification.survival.detach()[mask].float()))
+            self.vh_pairs.append((vh_logits.detach()[mask].float(), verification.survival.detach()[mask].float()))
         rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
         dropped_as_negative = topk.masked_fill(topk >= self.target.num_experts, -1)
         self.affinity.update(rows, dropped_as_negative, attention.bool())

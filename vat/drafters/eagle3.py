@@ -558,7 +558,17 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def _vh(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return None if self.verification_head is None else self.verification_head(hidden).squeeze(-1)
+        return None if self.verification_head is None else self.verification_logits(hidden)
+
+    def verification_logits(self, hidden: torch.Tensor, detach: bool = False) -> torch.Tensor:
+        """Pre-norm hidden (…, H) -> verification-head logits (…,).
+
+        ``detach=True`` reads a detached hidden state: the head's loss then trains the head only, not the draft body
+        (``loss.vh_detach``).
+        """
+        if self.verification_head is None:
+            raise VatError("this draft has no verification head (drafter.verification_head=false)")
+        return self.verification_head(hidden.detach() if detach else hidden).squeeze(-1)
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self._dtype)
