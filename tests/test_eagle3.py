@@ -369,10 +369,10 @@ def test_detached_verification_head_trains_the_head_only():
     aux, ids = batch()
     out = model.ttt_forward(aux, ids, ttt_steps=3)
     torch.testing.assert_close(model.verification_logits(out.hidden), out.vh_logits)
-    for detach in (False, True):
+    for detach in (False, True):  # the trainer's path: the TTT forward with vh_detach
         model.zero_grad(set_to_none=True)
-        out = model.ttt_forward(aux, ids, ttt_steps=3)
-        vh = model.verification_logits(out.hidden, detach=detach)
+        vh = model.ttt_forward(aux, ids, ttt_steps=3, vh_detach=detach).vh_logits
+        torch.testing.assert_close(vh, out.vh_logits)
         F.binary_cross_entropy_with_logits(vh, torch.ones_like(vh)).backward()
         assert model.verification_head.weight.grad.abs().sum() > 0
         body = model.fc.weight.grad

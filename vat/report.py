@@ -92,14 +92,9 @@ def plot_training(finals: dict[str, str], path: str) -> str | None:
     return path
 
 
-def _label_names(results: dict, finals: dict[str, str]) -> dict[str, str]:
-    """eval label -> demo draft name (by path), AR kept as is."""
-    by_path = {os.path.abspath(p): n for n, p in finals.items()}
-    names = {}
-    for label, info in results.get("drafts", {}).items():
-        path = info.get("path")
-        names[label] = by_path.get(os.path.abspath(path), label) if path else "autoregressive"
-    return names
+def _label_names(results: dict) -> dict[str, str]:
+    """eval label -> name in the report: the label the demo gave each draft, ``autoregressive`` for the baseline."""
+    return {label: label if info.get("path") else "autoregressive" for label, info in results.get("drafts", {}).items()}
 
 
 def _union_mib(m: dict) -> tuple[float | None, float | None]:
@@ -109,12 +104,12 @@ def _union_mib(m: dict) -> tuple[float | None, float | None]:
     return union, mib
 
 
-def headline(results: dict, finals: dict[str, str]) -> tuple[list[str], list[dict]]:
+def headline(results: dict) -> tuple[list[str], list[dict]]:
     """One row per benchmark and budget with every draft's τ, union per round and expert MiB per token side by side.
 
     Returns the Markdown lines and the same numbers as dicts (for ``demo.json``).
     """
-    names = _label_names(results, finals)
+    names = _label_names(results)
     per = results.get("results", {})
     budgets = [str(b) for b in results.get("settings", {}).get("budgets", [])]
     drafts = [(label, names[label]) for label in per if names.get(label) != "autoregressive"]
@@ -137,9 +132,9 @@ def headline(results: dict, finals: dict[str, str]) -> tuple[list[str], list[dic
     return lines, rows
 
 
-def evaluation_tables(results: dict, finals: dict[str, str]) -> list[str]:
+def evaluation_tables(results: dict) -> list[str]:
     """τ, expert union per round, expert bytes per token and speed-up per benchmark, drafts side by side."""
-    names = _label_names(results, finals)
+    names = _label_names(results)
     per = results.get("results", {})
     budgets = [str(b) for b in results.get("settings", {}).get("budgets", [])]
     lines: list[str] = []
@@ -186,7 +181,7 @@ def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir:
                       quick: bool = False) -> str:
     """Write ``out/report.md`` (+ demo.json, PNGs); returns the report path."""
     train_lines, train_summary = training_table(finals)
-    head_lines, head_rows = headline(results, finals)
+    head_lines, head_rows = headline(results)
     curve = plot_training(finals, os.path.join(out, "training_tau_sim.png"))
     pngs = []
     for name in sorted(os.listdir(eval_dir)) if os.path.isdir(eval_dir) else []:
@@ -217,7 +212,7 @@ def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir:
     ]
     if curve:
         lines += ["![τ_sim during training](training_tau_sim.png)", ""]
-    lines += ["## Speculative decoding (measured, not simulated)", "", *evaluation_tables(results, finals)]
+    lines += ["## Speculative decoding (measured, not simulated)", "", *evaluation_tables(results)]
     for name in pngs:
         lines += [f"![{name}]({name})", ""]
     lines += ["Full per-benchmark metrics: `eval/eval.json`; generations: `eval/generations.jsonl`.", ""]

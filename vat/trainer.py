@@ -227,7 +227,8 @@ class Trainer:
         input_ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         tout = self.target.forward(input_ids, attention_mask=attention, budget=budget)
         with self.accelerator.autocast():
-            out = self.drafter(tout.aux_hidden, input_ids, attention, ttt_steps=self.K)
+            out = self.drafter(tout.aux_hidden, input_ids, attention, ttt_steps=self.K,
+                               vh_detach=self.cfg.loss.vh_detach)
         dist = target_dist(tout.logits, self.draft_to_target)  # fields (B, T, ·)
         gathered, valid = dist.gather_ttt(self.K, loss_mask, attention)  # (B, T, K, ·), (B, T, K)
         topk = tout.topk_ids  # (L', B, T, k)
@@ -235,8 +236,6 @@ class Trainer:
         anchor_routing = ttt_anchor_routing(topk, self.target.num_experts)  # (B, T, L', E)
         verification = simulate_verification(out.logits, gathered, valid, acceptance=self.switches.acceptance)
         vh_logits = out.vh_logits  # (B, T, K) or None
-        if vh_logits is not None and self.cfg.loss.vh_detach:
-            vh_logits = self.accelerator.unwrap_model(self.drafter).verification_logits(out.hidden, detach=True)
         loss, metrics = vat_objective(
             out.logits, gathered, valid, self.switches, vh_logits=vh_logits,
             affinity=self.affinity.table(), anchor_routing=anchor_routing, verification=verification,

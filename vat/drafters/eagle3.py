@@ -586,6 +586,7 @@ class Eagle3Drafter(nn.Module):
         attention_mask: torch.Tensor | None = None,
         ttt_steps: int | None = None,
         position_ids: torch.Tensor | None = None,
+        vh_detach: bool = False,
     ) -> Eagle3TTTOutput:
         """Unrolled training-time test over every anchor of the batch at once.
 
@@ -610,6 +611,7 @@ class Eagle3Drafter(nn.Module):
             attention_mask: (B, T) 1 = real token, 0 = padding; None = all real.
             ttt_steps: K; None = ``config.ttt_steps``.
             position_ids: (B, T) RoPE positions of step 0; None = ``arange(T)``.
+            vh_detach: the verification head reads detached hidden states (``loss.vh_detach``).
 
         Returns:
             :class:`Eagle3TTTOutput` with logits (B, T, K, V_d), hidden (B, T, K, H), vh_logits (B, T, K) or None.
@@ -646,7 +648,7 @@ class Eagle3Drafter(nn.Module):
             hiddens.append(hidden)
             logits.append(self.compute_logits(hidden))  # (B, T, V_d)
             if self.verification_head is not None:
-                vh.append(self._vh(hidden))  # (B, T)
+                vh.append(self.verification_logits(hidden, detach=vh_detach))  # (B, T)
         return Eagle3TTTOutput(
             logits=torch.stack(logits, dim=2),  # (B, T, K, V_d)
             hidden=torch.stack(hiddens, dim=2),  # (B, T, K, H)
