@@ -21,7 +21,9 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-REPO_RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny")
+from vat.paths import recipe_path
+
+REPO_RECIPES = recipe_path("tiny")  # packaged, so `vat demo` runs from a wheel too (not only from a clone)
 
 
 @dataclass

