@@ -120,3 +120,90 @@ def test_user_errors_are_one_line(saved, spec_bench_file, capsys, flags, message
                    "--limit", "1", "--output", str(root / "bad"), *flags])
     last = capsys.readouterr().err.strip().splitlines()[-1]  # earlier lines: transformers' loading bars
     assert rc == 2 and last.startswith("vat: error:") and message in last
+
+
+# ---- the n-gram draft and the per-prompt counts ------------------------------------------------------------------
+
+
+def test_ngram_cli_on_tiny_target_needs_no_trained_draft(saved, spec_bench_file, monkeypatch):
+    """`--target tiny --draft ngram`: the embedded target's name resolves as for any command (the build itself is
+    stubbed with the saved tiny target: no training in unit tests)."""
+    import vat.data_prep.tiny_target as tiny
+
+    root, target_dir, _ = saved
+    monkeypatch.setattr(tiny, "ensure_tiny_target", lambda quick=False: target_dir)
+    out = str(root / "ngram_out")
+    rc = cli_main([
+        "eval", "--target", "tiny", "--draft", "ngram", "--benchmark", spec_bench_file, "--limit", "2",
+        "--max-new-tokens", "12", "--budget", "none,2", "--ngram-n", "2", "--output", out,
+    ])
+    assert rc == 0
+    with open(os.path.join(out, "eval.json")) as f:
+        ev = json.load(f)
+    assert ev["target"] == target_dir
+    assert ev["drafts"]["ngram"] == {"path": None, "mode": "ngram", "n_max": 2, "n_min": 1,
+                                     "verification_head": False, "vh_threshold": None}
+    assert set(ev["results"]) == {"none", "ngram"} and set(ev["results"]["ngram"]) == {"none", "2"}
+    assert set(ev["per_prompt"]["ngram"]) == {"none", "2"}
+    m = ev["results"]["ngram"]["2"]["spec_bench"]
+    assert m["union_per_round"]["max"] <= 2 and m["n_rounds"] > 0
+    with open(os.path.join(out, "generations.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    by_key = {(r["question_id"], r["draft"], r["budget"]): r["token_ids"] for r in rows}
+    for qid in {r["question_id"] for r in rows}:  # greedy, unbudgeted: prompt lookup is lossless
+        assert by_key[(qid, "ngram", "none")] == by_key[(qid, "none", "none")]
+    report = open(os.path.join(out, "report.md")).read()
+    assert "`ngram` (training-free n-gram prompt lookup" in report and "| ngram | 2 |" in report
+
+
+@pytest.mark.parametrize("flags,message", [
+    ([], "--draft ngram needs --target"),
+    (["--target", "TARGET", "--ngram-n", "2", "--ngram-min", "3"], "--ngram-min"),
+])
+def test_ngram_user_errors_are_one_line(saved, spec_bench_file, capsys, flags, message):
+    root, target_dir, _ = saved
+    flags = [target_dir if f == "TARGET" else f for f in flags]
+    rc = cli_main(["eval", "--draft", "ngram", "--benchmark", spec_bench_file, "--limit", "1",
+                   "--output", str(root / "bad_ngram"), *flags])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("vat: error:") and message in last
+
+
+def test_per_prompt_counts_pair_and_reproduce_tau(saved, spec_bench_file):
+    root, target_dir, draft_dir = saved
+    out = str(root / "per_prompt")
+    ev = run_eval(target=target_dir, drafts=[("ngram", "ngram"), draft_dir, "none"], benchmarks=[spec_bench_file],
+                  limit=3, max_new_tokens=10, steps=3, budgets="none,2", output=out, progress=False, plots=False)
+    with open(os.path.join(out, "generations.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    keys = ("rounds", "committed", "kept", "accepted", "drafted", "expert_bytes")
+    for row in rows:  # one entry per turn, as token_ids
+        assert all(len(row[k]) == len(row["token_ids"]) for k in keys), row
+        assert row["kept"] == [len(t) - 1 for t in row["token_ids"]]  # the prefill's token is no round's
+        assert all(c == r + a for c, r, a in zip(row["committed"], row["rounds"], row["accepted"]))
+
+    assert set(ev["per_prompt"]) == {"none", "ngram", "run/final"}
+    orders = set()
+    for label, per_budget in ev["per_prompt"].items():
+        for budget, per_bench in per_budget.items():
+            pooled = {k: 0 for k in keys}
+            for bench, prompts in per_bench.items():
+                m = ev["results"][label][budget][bench]
+                assert len(prompts) == m["n_prompts"] == 3
+                orders.add(tuple(p["question_id"] for p in prompts))
+                sums = {k: sum(p[k] for p in prompts) for k in keys}
+                assert sums["committed"] / sums["rounds"] == m["tau"]  # exactly the reported τ
+                assert sums["rounds"] == m["n_rounds"]
+                assert sums["kept"] / sums["rounds"] == m["tokens_per_round"]
+                assert sums["expert_bytes"] / sums["kept"] == pytest.approx(m["expert_bytes_per_token"], rel=1e-12)
+                mine = [r for r in rows if (r["draft"], r["budget"], r["benchmark"]) == (label, budget, bench)]
+                assert [r["question_id"] for r in mine] == [p["question_id"] for p in prompts]
+                for p, r in zip(prompts, mine):  # the totals are the per-turn lists summed
+                    assert all(p[k] == pytest.approx(sum(r[k])) for k in keys) and p["category"] == r["category"]
+                for k in keys:
+                    pooled[k] += sums[k]
+            assert pooled["committed"] / pooled["rounds"] == ev["pooled"][label][budget]["tau"]
+    assert len(orders) == 1  # every draft and budget in the same prompt order: runs pair by index
+    ar = ev["per_prompt"]["none"]["none"]["spec_bench"]
+    assert all(p["committed"] == p["rounds"] and p["drafted"] == 0 for p in ar)
+    assert ev["drafts"]["ngram"]["mode"] == "ngram" and ev["drafts"]["run/final"]["mode"] == "chain"

@@ -112,10 +112,13 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         "eval",
         help="real speculative decoding: acceptance length per benchmark, with and without expert budgets",
         description="Runs chain / tree / block speculative decoding on the target with a KV cache and writes "
-        "DIR/eval.json, DIR/generations.jsonl, DIR/report.md and PNG plots.",
+        "DIR/eval.json, DIR/generations.jsonl, DIR/report.md and PNG plots. `--draft ngram` is training-free prompt "
+        "lookup (vLLM's ngram speculator) in the same engine; the autoregressive baseline always runs.",
     )
-    p.add_argument("--target", default=None, help="target path (default: the one the draft was trained for)")
-    p.add_argument("--draft", action="append", default=None, help="draft dir (vat final/, SGLang or speculators export) or `none`; repeatable")
+    p.add_argument("--target", default=None, help="target path, or `tiny` (default: the one the draft was trained for; "
+                   "required when no trained draft is given)")
+    p.add_argument("--draft", action="append", default=None, help="draft dir (vat final/, SGLang or speculators "
+                   "export), `ngram` (prompt lookup) or `none`; repeatable")
     p.add_argument("--benchmark", action="append", default=None, help=BENCHMARK_HELP + "; repeatable")
     p.add_argument("--steps", type=int, default=7, help="chain length K")
     p.add_argument("--tree", default=None, help="dynamic tree as top_k,depth,total_tokens (e.g. 8,6,48)")
@@ -123,6 +126,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default="none", help="comma list of budgets, `none` = natural routing: none,8,4")
     p.add_argument("--policy", default="substitute", choices=["substitute", "truncate"])
     p.add_argument("--vh-threshold", type=float, default=None, help="stop drafting when the verification head predicts rejection")
+    p.add_argument("--ngram-n", type=int, default=3, help="ngram draft: longest suffix matched, as vLLM's prompt_lookup_max (default 3)")
+    p.add_argument("--ngram-min", type=int, default=1, help="ngram draft: shortest suffix matched, as vLLM's prompt_lookup_min (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
     p.add_argument("--batch-size", type=int, default=1)

@@ -1,9 +1,11 @@
 """The speculative-decoding loop on the HF target: prefill, then rounds of draft -> verify -> accept.
 
-One :class:`SpeculativeEngine` decodes one sequence at a time (batch size 1) in one of three modes:
+One :class:`SpeculativeEngine` decodes one sequence at a time (batch size 1) in one of four modes:
 
 * ``ar``: no draft; each round is one target forward of the newest token (the autoregressive baseline);
 * ``chain``: EAGLE-3 top-1 chain of K drafts per round (:mod:`vat.eval.chain`);
+* ``ngram``: a chain of up to K prompt-lookup drafts per round (:mod:`vat.eval.ngram`), verified by the same chain
+  round as EAGLE-3 (same block layout, budget, union and acceptance rules; zero drafts = a one-token round);
 * ``tree``: EAGLE dynamic tree per round (:mod:`vat.eval.tree`).
 
 State between rounds: the target's ``DynamicCache`` holds every committed token except the newest (the *root*, fed
@@ -23,8 +25,9 @@ import torch
 
 from vat.drafters.eagle3 import Eagle3Drafter
 from vat.errors import VatError
-from vat.eval.chain import draft_chain, judge_chain
+from vat.eval.chain import ChainDraft, draft_chain, judge_chain
 from vat.eval.draft_state import DraftHead, DraftState
+from vat.eval.ngram import NgramSpec, PromptLookup, point_mass_q
 from vat.eval.sampling import choose_token
 from vat.eval.tree import TreeSpec, build_tree, judge_tree
 from vat.target import BudgetSpec, FrozenTarget, window_union
@@ -90,9 +93,10 @@ class SpeculativeEngine:
 
     Args:
         target: the target; its ``aux_layer_ids`` must be the draft's.
-        drafter: an EAGLE-3 draft with its embedding attached, or None for the autoregressive baseline.
-        steps: chain length K.
-        tree: a :class:`TreeSpec` for dynamic-tree drafting (None = chain).
+        drafter: an EAGLE-3 draft with its embedding attached, an :class:`NgramSpec` for training-free prompt lookup,
+            or None for the autoregressive baseline.
+        steps: chain length K (EAGLE-3 chain or n-gram drafts per round).
+        tree: a :class:`TreeSpec` for dynamic-tree drafting with an EAGLE-3 draft (None = chain).
         temperature: 0 = greedy (lossless), > 0 = rejection sampling at this temperature.
         budget: expert budget B of the verification forwards (int, per-layer list or mapping; None = natural).
         policy: ``substitute`` or ``truncate``.
@@ -104,7 +108,7 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: FrozenTarget,
-        drafter: Eagle3Drafter | None = None,
+        drafter: Eagle3Drafter | NgramSpec | None = None,
         *,
         steps: int = 7,
         tree: TreeSpec | None = None,
@@ -115,6 +119,8 @@ class SpeculativeEngine:
         max_new_tokens: int = 256,
         eos_token_ids: Iterable[int] = (),
     ):
+        if isinstance(drafter, NgramSpec) and tree is not None:
+            raise VatError("n-gram drafts are chains of --steps tokens: drop --tree for them")
         self.target = target
         self.drafter = drafter
         self.steps = steps
@@ -128,9 +134,11 @@ class SpeculativeEngine:
 
     @property
     def mode(self) -> str:
-        """``ar``, ``chain`` or ``tree``."""
+        """``ar``, ``chain``, ``ngram`` or ``tree``."""
         if self.drafter is None:
             return "ar"
+        if isinstance(self.drafter, NgramSpec):
+            return "ngram"
         return "tree" if self.tree is not None else "chain"
 
     # ---- the loop ------------------------------------------------------------------------------------------------
@@ -150,12 +158,13 @@ class SpeculativeEngine:
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, n)
         start = time.perf_counter()
         cache = new_cache()
-        out = self.target.forward(
-            prompt, past_key_values=cache, use_cache=True, capture_routing=False, output_aux=self.drafter is not None
-        )
+        eagle = self.mode in ("chain", "tree")
+        out = self.target.forward(prompt, past_key_values=cache, use_cache=True, capture_routing=False, output_aux=eagle)
         root = choose_token(out.logits[0, -1], self.temperature, generator)
         tokens = [root]
-        state = DraftState(self.drafter, self.temperature) if self.drafter is not None else None
+        state = DraftState(self.drafter, self.temperature) if eagle else None
+        # the lookup's context is prompt + output; built here, inside the timed decode, as a server would
+        lookup = PromptLookup(self.drafter, [*prompt_ids, root]) if self.mode == "ngram" else None
         pending = None
         if state is not None:
             nxt = torch.cat([prompt[:, 1:], prompt.new_tensor([[root]])], dim=1)  # (1, n): token after each position
@@ -163,9 +172,11 @@ class SpeculativeEngine:
         rounds: list[RoundStats] = []
         while not self._finished(tokens):
             head = state.extend(*pending) if state is not None else None
-            outcome = self._round(cache, state, head, tokens[-1], generator)
+            outcome = self._round(cache, state, head, lookup, tokens[-1], generator)
             outcome.stats.committed = self._commit(tokens, outcome.tokens)
             rounds.append(outcome.stats)
+            if lookup is not None:
+                lookup.extend(outcome.tokens[: outcome.stats.committed])
             if state is not None:
                 a = len(outcome.tokens)
                 pending = (outcome.aux, torch.tensor([outcome.tokens], device=device).view(1, a))
@@ -189,12 +200,18 @@ class SpeculativeEngine:
         return kept
 
     def _round(
-        self, cache, state: DraftState | None, head: DraftHead | None, root: int, generator
+        self, cache, state: DraftState | None, head: DraftHead | None, lookup: PromptLookup | None, root: int,
+        generator,
     ) -> _Outcome:
         if self.mode == "ar":
             return self._ar_round(cache, root, generator)
         if self.mode == "chain":
-            return self._chain_round(cache, state, head, root, generator)
+            draft = draft_chain(state, head, self.steps, vh_threshold=self.vh_threshold, generator=generator)
+            return self._chain_round(cache, draft, root, generator)
+        if self.mode == "ngram":
+            proposed = lookup.propose(self.steps)
+            draft = ChainDraft(tokens=torch.tensor(proposed, dtype=torch.long, device=self.target.device), q=None)
+            return self._chain_round(cache, draft, root, generator)
         return self._tree_round(cache, state, head, root, generator)
 
     # ---- rounds --------------------------------------------------------------------------------------------------
@@ -211,11 +228,16 @@ class SpeculativeEngine:
         stats = RoundStats(drafted=0, depth=0, accepted=0, reached=0, union=self._union(out.topk_ids))
         return _Outcome(stats=stats, tokens=[token], aux=None)
 
-    def _chain_round(self, cache, state: DraftState, head: DraftHead, root: int, generator) -> _Outcome:
+    def _chain_round(self, cache, draft: ChainDraft, root: int, generator) -> _Outcome:
+        """Verify a chain of drafts (EAGLE-3 or n-gram; K' = 0 is a one-token round) and accept a prefix of it."""
         n = cache_length(cache)
-        draft = draft_chain(state, head, self.steps, vh_threshold=self.vh_threshold, generator=generator)
+        eagle = self.mode == "chain"
         block = torch.cat([draft.tokens.new_tensor([root]), draft.tokens])[None]  # (1, K' + 1)
-        out = self.target.forward(block, past_key_values=cache, use_cache=True, budget=self.budget)
+        out = self.target.forward(block, past_key_values=cache, use_cache=True, budget=self.budget, output_aux=eagle)
+        if self.temperature > 0 and draft.q is None:
+            # a deterministic proposal is a point mass: the standard rule then accepts d with probability p(d) and
+            # resamples from p without d, so the output keeps exactly the target's distribution
+            draft = ChainDraft(tokens=draft.tokens, q=point_mass_q(draft.tokens, out.logits.shape[-1]))  # (K', V)
         verdict = judge_chain(out.logits[0], draft, self.temperature, generator)
         a = verdict.accepted
         crop_cache(cache, n + a + 1)
@@ -224,7 +246,7 @@ class SpeculativeEngine:
             drafted=drafted, depth=drafted, accepted=a, reached=min(a + 1, drafted), union=self._union(out.topk_ids)
         )
         tokens = draft.tokens[:a].tolist() + [verdict.next_token]
-        return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, : a + 1])
+        return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, : a + 1] if eagle else None)
 
     def _tree_round(self, cache, state: DraftState, head: DraftHead, root: int, generator) -> _Outcome:
         device = self.target.device

@@ -14,6 +14,8 @@ import torch
 from vat.eval.engine import Generation
 
 PERCENTILES = (50, 90, 99)
+# per-prompt counts (generations.jsonl per turn, eval.json ``per_prompt`` totals): what `vat bench` resamples
+COUNT_KEYS = ("rounds", "committed", "kept", "accepted", "drafted", "expert_bytes")
 
 
 @dataclass
@@ -80,6 +82,47 @@ def union_statistics(unions: torch.Tensor, num_experts: int) -> dict:
     }
 
 
+def round_bytes(rounds: Sequence, expert_bytes_per_layer: Sequence[int]) -> torch.Tensor:
+    """(R,) float64 expert bytes read by each verification round: Σ_l U_l · b_l (the one accounting of bytes)."""
+    if not rounds:
+        return torch.zeros(0, dtype=torch.float64)
+    unions = torch.tensor([r.union for r in rounds], dtype=torch.float64)  # (R, L')
+    return (unions * torch.tensor(list(expert_bytes_per_layer), dtype=torch.float64)).sum(dim=1)
+
+
+def turn_counts(gen: Generation, expert_bytes_per_layer: Sequence[int]) -> dict:
+    """Counts of one turn's verification rounds, the summands of the pooled metrics.
+
+    Returns:
+        ``rounds`` (target forwards after the prefill), ``committed`` (Σ accepted + 1: the numerator of ``tau``),
+        ``kept`` (Σ RoundStats.committed: tokens kept after EOS / max-new-tokens cuts; the denominator of
+        ``expert_bytes_per_token``), ``accepted``, ``drafted`` (ints) and ``expert_bytes`` (float).
+    """
+    rounds = gen.rounds
+    return {
+        "rounds": len(rounds),
+        "committed": sum(r.accepted + 1 for r in rounds),
+        "kept": sum(r.committed for r in rounds),
+        "accepted": sum(r.accepted for r in rounds),
+        "drafted": sum(r.drafted for r in rounds),
+        "expert_bytes": float(round_bytes(rounds, expert_bytes_per_layer).sum()),
+    }
+
+
+def prompt_counts(run: PromptRun, expert_bytes_per_layer: Sequence[int]) -> dict[str, list]:
+    """:func:`turn_counts` of every turn of a prompt, as ``{key: [value per turn]}`` (generations.jsonl)."""
+    turns = [turn_counts(g, expert_bytes_per_layer) for g in run.turns]
+    return {key: [t[key] for t in turns] for key in COUNT_KEYS}
+
+
+def prompt_totals(run: PromptRun, expert_bytes_per_layer: Sequence[int]) -> dict:
+    """One prompt's counts summed over its turns, with its id and category (eval.json ``per_prompt``)."""
+    per_turn = prompt_counts(run, expert_bytes_per_layer)
+    totals = {key: sum(values) for key, values in per_turn.items()}
+    totals["expert_bytes"] = float(totals["expert_bytes"])
+    return {"question_id": run.question_id, "category": run.category, **totals}
+
+
 def summarize(runs: Sequence[PromptRun], expert_bytes_per_layer: Sequence[int], num_experts: int) -> dict:
     """Metrics of a set of prompt runs (one draft x budget x benchmark, or one category of it).
 
@@ -97,9 +140,9 @@ def summarize(runs: Sequence[PromptRun], expert_bytes_per_layer: Sequence[int], 
     seconds = sum(g.seconds for g in gens)
     forwards = sum(g.target_forwards for g in gens)
     round_tokens = sum(r.committed for r in rounds)
-    unions = torch.tensor([r.union for r in rounds], dtype=torch.long).view(len(rounds), -1)  # (R, L')
-    b = torch.tensor(list(expert_bytes_per_layer), dtype=torch.float64)  # (L',)
-    bytes_per_round = (unions.double() * b).sum(dim=1) if rounds else torch.zeros(0, dtype=torch.float64)  # (R,)
+    n_layers = len(expert_bytes_per_layer)
+    unions = torch.tensor([r.union for r in rounds], dtype=torch.long).view(len(rounds), n_layers)  # (R, L')
+    bytes_per_round = round_bytes(rounds, expert_bytes_per_layer)  # (R,)
     return {
         "n_prompts": len(runs),
         "n_turns": len(gens),

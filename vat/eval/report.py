@@ -112,6 +112,15 @@ def markdown_summary(result: dict) -> str:
     return "\n".join(parts)
 
 
+def _draft_origin(draft: dict, steps: int) -> str:
+    """Where a draft came from, for the report's header."""
+    if draft.get("mode") == "ngram":
+        return f"training-free n-gram prompt lookup, n = {draft['n_max']}..{draft['n_min']}, chain K={steps}"
+    if draft.get("path"):
+        return draft["path"]
+    return "autoregressive baseline" if draft.get("mode") == "ar" else "in-memory draft"
+
+
 def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
     """The full ``report.md``."""
     s = result["settings"]
@@ -128,8 +137,7 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
         f"vh threshold {s['vh_threshold']}",
         f"- max new tokens {s['max_new_tokens']} per turn; limit {s['limit']} prompts per benchmark; batch size 1; "
         f"seed {s['seed']}; {result['seconds']:.0f} s in all",
-        "- drafts: " + ", ".join(f"`{k}`" + (f" ({v['path']})" if v["path"] else " (autoregressive baseline)")
-                                  for k, v in result["drafts"].items()),
+        "- drafts: " + ", ".join(f"`{k}` ({_draft_origin(v, s['steps'])})" for k, v in result["drafts"].items()),
         "",
         "τ = tokens committed per verification round (accepted drafts + 1); acc@k = P(draft k accepted | position k "
         "reached); union = distinct experts executed per MoE layer per verification forward (routing captured from "

@@ -2,8 +2,9 @@
 
 Entry points: :func:`main` (the CLI: setup -> run -> write) and :func:`run_eval` (programmatic, plain arguments,
 returns the eval.json dict). The autoregressive baseline (draft ``none``) always runs once per benchmark with natural
-routing, on the same prompts in the same process: it is the denominator of ``speedup_vs_ar``. Budgets apply to the
-verification forwards of the drafts only (DESIGN §7).
+routing, on the same prompts in the same process: it is the denominator of ``speedup_vs_ar``. The training-free n-gram
+draft (``ngram``, :mod:`vat.eval.ngram`) is a draft like a trained one: a chain of ``steps`` tokens, every budget.
+Budgets apply to the verification forwards of the drafts only (DESIGN §7).
 """
 
 from __future__ import annotations
@@ -20,24 +21,31 @@ import torch
 
 from vat.errors import VatError
 from vat.eval.engine import SpeculativeEngine
-from vat.eval.metrics import PromptRun, by_category, set_speedups, summarize
+from vat.eval.metrics import PromptRun, by_category, prompt_counts, prompt_totals, set_speedups, summarize
+from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, NgramSpec
 from vat.eval.prompts import decode, eos_token_ids, render_chat
 from vat.eval.tree import TreeSpec
 
 AR_LABEL = "none"
+NGRAM_LABEL = "ngram"
 NO_BUDGET = "none"
 EVAL_FORMAT_VERSION = 1
 
 
 @dataclass
 class DraftEntry:
-    """One draft to evaluate: its label, where it came from, the loaded model (None = AR) and its aux layers."""
+    """One draft to evaluate: its label, where it came from, the loaded model (an ``Eagle3Drafter``, an
+    :class:`NgramSpec`, or None = AR) and its aux layers."""
 
     label: str
     path: str | None
     model: Any = None
     aux_layer_ids: list[int] | None = None
     vh_threshold: float | None = None
+
+    @property
+    def is_ngram(self) -> bool:
+        return isinstance(self.model, NgramSpec)
 
 
 @dataclass
@@ -90,7 +98,7 @@ def _draft_label(path: str, taken: set[str]) -> str:
 # ---- loading ----------------------------------------------------------------------------------------------------------
 
 
-def _load_drafts(drafts: list[Any]) -> list[DraftEntry]:
+def _load_drafts(drafts: list[Any], ngram: NgramSpec) -> list[DraftEntry]:
     from vat.drafters.eagle3 import Eagle3Drafter
     from vat.export.checkpoint import load_draft
 
@@ -101,6 +109,10 @@ def _load_drafts(drafts: list[Any]) -> list[DraftEntry]:
             label, spec = spec
         if spec is None or (isinstance(spec, str) and spec.lower() == AR_LABEL):
             continue
+        if isinstance(spec, NgramSpec) or (isinstance(spec, str) and spec.lower() == NGRAM_LABEL):
+            model = spec if isinstance(spec, NgramSpec) else ngram
+            entries.append(DraftEntry(label=_draft_label(label or NGRAM_LABEL, taken), path=None, model=model))
+            continue
         if isinstance(spec, Eagle3Drafter):
             entries.append(DraftEntry(label=_draft_label(label or f"draft{i}", taken), path=None, model=spec))
             continue
@@ -110,7 +122,8 @@ def _load_drafts(drafts: list[Any]) -> list[DraftEntry]:
     return entries
 
 
-def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str | None):
+def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str | None, ngram: bool = False):
+    """The target: given, or the one the first trained draft records. ``drafts``: the EAGLE-3 entries only."""
     from vat.target import FrozenTarget, load_target
 
     if isinstance(target, FrozenTarget):
@@ -118,6 +131,9 @@ def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str 
     first_ids = drafts[0].model.config.aux_layer_ids if drafts else None
     if target is None:
         paths = [d.model.config.target_path for d in drafts if d.model.config.target_path]
+        if not paths and ngram and not drafts:
+            raise VatError("--draft ngram needs --target: no trained draft names one (`--target tiny` = the embedded "
+                           "default)")
         if not paths:
             raise VatError("no --target given and no draft records the target it was trained for")
         if len(set(paths)) > 1:
@@ -127,10 +143,13 @@ def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str 
 
 
 def _attach(drafts: list[DraftEntry], target, vh_threshold: float | None) -> None:
-    """Check each draft against the target, give it the target's embedding, device and dtype."""
+    """Check each EAGLE-3 draft against the target, give it the target's embedding, device and dtype."""
     from vat.drafters.eagle3 import check_draft_matches_target
 
     with_vh = [d for d in drafts if d.model.verification_head is not None]
+    if vh_threshold is not None and not drafts:
+        # only the n-gram draft / AR: nothing has a head; a caller sweeping one setting over every cell gets on
+        warnings.warn("--vh-threshold ignored: no trained draft to apply it to", stacklevel=2)
     if vh_threshold is not None and drafts and not with_vh:
         raise VatError("--vh-threshold needs a draft with a verification head; none of the drafts has one")
     for d in drafts:
@@ -198,15 +217,16 @@ def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_
     drafter = config.draft.model
     if config.draft.aux_layer_ids is not None:
         target.aux_layer_ids = list(config.draft.aux_layer_ids)  # the features this draft reads
+    eagle = drafter is not None and not config.draft.is_ngram
     return SpeculativeEngine(
-        target, drafter, steps=steps, tree=tree if drafter is not None else None, temperature=temperature,
+        target, drafter, steps=steps, tree=tree if eagle else None, temperature=temperature,
         budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, max_new_tokens=max_new_tokens,
         eos_token_ids=eos,
     )
 
 
 def _run_config(engine, tokenizer, prompts, config: RunConfig, benchmark: str, temperature: float, seed: int,
-                out_file, progress: bool) -> list[PromptRun]:
+                out_file, progress: bool, expert_bytes_per_layer: list[int]) -> list[PromptRun]:
     from tqdm.auto import tqdm
 
     warm = render_chat(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
@@ -222,7 +242,7 @@ def _run_config(engine, tokenizer, prompts, config: RunConfig, benchmark: str, t
             out_file.write(json.dumps({
                 "question_id": prompt.question_id, "category": prompt.category, "benchmark": benchmark,
                 "draft": config.draft.label, "budget": config.budget_label, "temperature": temperature,
-                "token_ids": ids, "text": texts,
+                "token_ids": ids, "text": texts, **prompt_counts(run, expert_bytes_per_layer),
             }) + "\n")
             out_file.flush()
     return runs
@@ -242,6 +262,8 @@ def run_eval(
     budgets: str | list[int | None] = NO_BUDGET,
     policy: str = "substitute",
     vh_threshold: float | None = None,
+    ngram_n: int = DEFAULT_N_MAX,
+    ngram_min: int = DEFAULT_N_MIN,
     max_new_tokens: int = 256,
     limit: int | None = None,
     batch_size: int = 1,
@@ -258,9 +280,10 @@ def run_eval(
     Args:
         target: target path (``tiny`` for the embedded one), a loaded ``FrozenTarget`` or model; None = the path the
             first draft records (``target_path``).
-        drafts: draft directories (vat ``final/``, SGLang or speculators exports), ``Eagle3Drafter`` objects, or
-            ``none`` (the AR baseline always runs); a ``(label, draft)`` pair names the draft in every output
-            (default: its directory).
+        drafts: draft directories (vat ``final/``, SGLang or speculators exports), ``Eagle3Drafter`` objects,
+            ``ngram`` (training-free prompt lookup, label ``ngram``; an :class:`NgramSpec` works too) or ``none``
+            (the AR baseline always runs); a ``(label, draft)`` pair names the draft in every output (default: its
+            directory).
         benchmarks: names or files for :func:`vat.eval.benchmarks.load_benchmark`.
         steps: chain length K.
         tree: ``"top_k,depth,total_tokens"`` or a :class:`TreeSpec` for dynamic trees (None = chain).
@@ -268,6 +291,8 @@ def run_eval(
         budgets: ``"none,8,4"`` or a list (None = natural routing); each is a separate pass per draft.
         policy: ``substitute`` or ``truncate``.
         vh_threshold: stop drafting when the verification head's probability falls below this.
+        ngram_n: longest suffix the ``ngram`` draft matches (vLLM's ``prompt_lookup_max``).
+        ngram_min: shortest suffix it matches (vLLM's ``prompt_lookup_min``).
         max_new_tokens: tokens generated per turn.
         limit: prompts per benchmark.
         batch_size: only 1 (prompts are decoded one at a time).
@@ -295,16 +320,19 @@ def run_eval(
         raise VatError(f"--temperature must be >= 0, got {temperature}")
     tree_spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
     budget_list = parse_budgets(budgets) if isinstance(budgets, str) else list(budgets)
+    ngram_spec = NgramSpec(n_max=ngram_n, n_min=ngram_min)
     start = time.time()
 
-    entries = _load_drafts(list(drafts))
-    target_obj = _load_target(target, entries, dtype, device)
-    _attach(entries, target_obj, vh_threshold)
+    entries = _load_drafts(list(drafts), ngram_spec)
+    eagle = [d for d in entries if not d.is_ngram]
+    target_obj = _load_target(target, eagle, dtype, device, ngram=len(eagle) < len(entries))
+    _attach(eagle, target_obj, vh_threshold)
     tok = _load_tokenizer(tokenizer, target_obj)
     eos = eos_token_ids(tok, target_obj.model)
     configs = [RunConfig(DraftEntry(AR_LABEL, None), None)]
     configs += [RunConfig(d, b) for d in entries for b in budget_list]
-    block = 1 + max([steps if tree_spec is None else tree_spec.total_tokens] if entries else [0])
+    # the longest verification block decides which prompts fit (n-gram drafts are chains of `steps`)
+    block = 1 + max([steps if tree_spec is None or d.is_ngram else tree_spec.total_tokens for d in entries] or [0])
     max_positions = getattr(target_obj.config, "max_position_embeddings", None)
     bytes_per_layer = target_obj.expert_bytes_per_layer()
     E = target_obj.num_experts
@@ -315,6 +343,7 @@ def run_eval(
         gen_file = open(os.path.join(output, "generations.jsonl"), "w")
     saved_aux_ids = list(target_obj.aux_layer_ids)  # each draft sets the features it reads; restored below
     results: dict[str, dict[str, dict]] = {}
+    per_prompt: dict[str, dict[str, dict[str, list]]] = {}
     all_runs: dict[tuple[str, str], list[PromptRun]] = {}
     skipped: dict[str, dict[str, int]] = {}
     bench_names: list[str] = []
@@ -334,10 +363,15 @@ def run_eval(
             for config in configs:
                 engine = _engine(target_obj, config, steps=steps, tree=tree_spec, temperature=temperature,
                                  policy=policy, max_new_tokens=max_new_tokens, eos=eos)
-                runs = _run_config(engine, tok, prompts, config, name, temperature, seed, gen_file, progress)
+                runs = _run_config(engine, tok, prompts, config, name, temperature, seed, gen_file, progress,
+                                   bytes_per_layer)
                 metrics = summarize(runs, bytes_per_layer, E)
                 metrics["categories"] = by_category(runs, bytes_per_layer, E)
                 results.setdefault(config.draft.label, {}).setdefault(config.budget_label, {})[name] = metrics
+                # benchmark prompt order, the same for every draft and budget: runs pair by index (`vat bench`)
+                per_prompt.setdefault(config.draft.label, {}).setdefault(config.budget_label, {})[name] = [
+                    prompt_totals(run, bytes_per_layer) for run in runs
+                ]
                 all_runs.setdefault((config.draft.label, config.budget_label), []).extend(runs)
     finally:
         target_obj.aux_layer_ids = saved_aux_ids
@@ -371,14 +405,13 @@ def run_eval(
         },
         "drafts": {
             AR_LABEL: {"path": None, "mode": "ar", "verification_head": False, "vh_threshold": None},
-            **{d.label: {"path": d.path, "mode": "tree" if tree_spec is not None else "chain",
-                         "verification_head": d.model.verification_head is not None,
-                         "vh_threshold": d.vh_threshold} for d in entries},
+            **{d.label: _draft_record(d, tree_spec) for d in entries},
         },
         "benchmarks": bench_names,
         "skipped": skipped,
         "results": results,
         "pooled": pooled,
+        "per_prompt": per_prompt,
         "seconds": time.time() - start,
     }
     if output:
@@ -386,6 +419,15 @@ def run_eval(
 
         write_outputs(result, output, plots=plots)
     return result
+
+
+def _draft_record(d: DraftEntry, tree_spec: TreeSpec | None) -> dict:
+    """The eval.json ``drafts`` entry of one draft."""
+    if d.is_ngram:
+        return {"path": None, "mode": "ngram", "n_max": d.model.n_max, "n_min": d.model.n_min,
+                "verification_head": False, "vh_threshold": None}
+    return {"path": d.path, "mode": "tree" if tree_spec is not None else "chain",
+            "verification_head": d.model.verification_head is not None, "vh_threshold": d.vh_threshold}
 
 
 def _unique(name: str, taken: list[str]) -> str:
@@ -404,7 +446,8 @@ def main(args: argparse.Namespace) -> int:
     result = run_eval(
         target=args.target, drafts=drafts, benchmarks=args.benchmark or ["spec_bench"], steps=args.steps,
         tree=args.tree, temperature=args.temperature, budgets=args.budget, policy=args.policy,
-        vh_threshold=args.vh_threshold, max_new_tokens=args.max_new_tokens, limit=args.limit,
+        vh_threshold=args.vh_threshold, ngram_n=getattr(args, "ngram_n", DEFAULT_N_MAX),
+        ngram_min=getattr(args, "ngram_min", DEFAULT_N_MIN), max_new_tokens=args.max_new_tokens, limit=args.limit,
         batch_size=args.batch_size, seed=args.seed, output=args.output,
     )
     print(markdown_summary(result))
