@@ -81,6 +81,7 @@ FLAGS = [
     dict(),
     dict(norm_before_residual=True, fc_norm=True, verification_head=True),
     dict(norm_before_fc=True, verification_head=True, num_key_value_heads=4),
+    dict(verification_head=True, vh_input="prenorm"),
 ]
 
 
@@ -89,7 +90,7 @@ FLAGS = [
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags", FLAGS, ids=["default", "nbr_fcnorm_vh", "nbfc_mha_vh"])
+@pytest.mark.parametrize("flags", FLAGS, ids=["default", "nbr_fcnorm_vh", "nbfc_mha_vh", "vh_prenorm"])
 def test_ttt_forward_matches_per_position_reference_with_padding(flags):
     cfg = tiny_config(**flags)
     model = make_model(cfg)
@@ -379,3 +380,42 @@ def test_detached_verification_head_trains_the_head_only():
         assert (body is None) == detach, detach
     with pytest.raises(VatError, match="no verification head"):
         make_model(tiny_config()).verification_logits(out.hidden)
+
+
+def test_verification_head_starts_at_the_prior_and_sends_no_gradient_into_the_body():
+    """Zero weight, bias logit(0.2): v̂ = 0.2 everywhere, and its BCE moves only the head's own parameters."""
+    import math
+
+    import torch.nn.functional as F
+
+    for vh_input in ("normed", "prenorm"):
+        model = Eagle3Drafter(tiny_config(verification_head=True, vh_input=vh_input), torch.randn(V, H)).train()
+        assert model.verification_head.weight.abs().max() == 0
+        assert model.verification_head.bias.item() == pytest.approx(math.log(0.2 / 0.8))
+        aux, ids = batch()
+        vh = model.ttt_forward(aux, ids, ttt_steps=3).vh_logits
+        torch.testing.assert_close(torch.sigmoid(vh), torch.full_like(vh, 0.2))
+        F.binary_cross_entropy_with_logits(vh, torch.randint(0, 2, vh.shape).float()).backward()
+        assert model.verification_head.weight.grad.abs().sum() > 0
+        for name, p in model.named_parameters():
+            if not name.startswith("verification_head."):
+                assert p.grad is None or p.grad.abs().max() == 0, name
+
+
+def test_verification_head_reads_what_the_lm_head_reads():
+    model = make_model(tiny_config(verification_head=True))
+    hidden = torch.randn(2, 5, H) * 7.0
+    with torch.no_grad():
+        expect = model.verification_head(model.norm(hidden)).squeeze(-1)
+        torch.testing.assert_close(model.verification_logits(hidden), expect)
+        # invariant to the residual's scale, unlike the pre-norm tap
+        torch.testing.assert_close(model.verification_logits(hidden * 10), expect, atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoints_from_before_vh_input_load_as_prenorm():
+    data = tiny_config(verification_head=True).to_dict()
+    assert data["vh_input"] == "normed"
+    del data["vh_input"]  # a config.json written before the key existed
+    assert Eagle3Config.from_dict(data).vh_input == "prenorm"
+    with pytest.raises(VatError, match="vh_input"):
+        tiny_config(vh_input="residual")

@@ -140,13 +140,13 @@ def test_adaptive_weights_carry_no_gradient():
     res = simulate_verification(draft_logits, target)
     w = adaptive_weights(res.kstar_probs, eagle3_schedule(4))
     assert not w.requires_grad and not res.survival.requires_grad and not res.kstar_probs.requires_grad
-    # the objective's gradient equals that of Σ w_const · ce / Σ w_const
+    # the objective's gradient equals that of Σ w_const · ce / N_anchors (the paper's per-anchor sum over k)
     sw = LossSwitches(soft_weight=1.0, hard_weight=1.0, adaptive_weights=True)
     valid = torch.ones(2, 3, 4, dtype=torch.bool)
     loss, _ = vat_objective(draft_logits, target, valid, sw, verification=res)
     (g,) = torch.autograd.grad(loss, draft_logits)
     ce = soft_ce(draft_logits, target.probs) + hard_ce(draft_logits, target.argmax_draft)
-    ref = (w * ce).sum() / w.sum()
+    ref = (w * ce).sum() / (2 * 3)
     (g_ref,) = torch.autograd.grad(ref, draft_logits)
     assert torch.allclose(loss, ref, atol=1e-6) and torch.allclose(g, g_ref, atol=1e-6)
 
@@ -423,6 +423,7 @@ def test_eagle3_preset_equals_hand_computed_loss():
     B, T, _ = target_logits.shape
     K = draft_logits.shape[2]
     num = den = 0.0
+    anchors = set()
     for b in range(B):
         for t in range(T):
             for k in range(K):
@@ -437,7 +438,9 @@ def test_eagle3_preset_equals_hand_computed_loss():
                 ce = -(p * logq).sum().item()
                 num += 0.8**k * ce
                 den += 0.8**k
-    assert loss.item() == pytest.approx(num / den, rel=1e-5)
+                anchors.add((b, t))
+    assert loss.item() == pytest.approx(num / len(anchors), rel=1e-5)
+    assert metrics["imitation_anchors"].item() == len(anchors)
     assert metrics["weight_sum"].item() == pytest.approx(den, rel=1e-6)
     assert "vh_bce_sum" not in metrics and "union_sim_sum" not in metrics
 
@@ -451,13 +454,14 @@ def test_vat_objective_all_terms_brute_force():
     anchor_routing = (torch.rand(B, T, L, E, generator=gen) < 0.3).float()
     vh_logits = torch.randn(B, T, K, generator=gen, requires_grad=True)
     sw = LossSwitches(
-        soft_weight=1.0, hard_weight=0.5, adaptive_weights=True, vh_weight=1.0, union_weight=0.1, union_top_m=3
+        soft_weight=1.0, hard_weight=0.5, adaptive_weights=True, vh_weight=1.0, union_weight=0.1, union_top_m=3,
+        union_norm="none",
     )
     loss, metrics = vat_objective(
         draft_logits, td_k, valid, sw, vh_logits=vh_logits, affinity=table, anchor_routing=anchor_routing
     )
     base = eagle3_schedule(K).tolist()
-    num = den = bce = nb = usum = ucount = tau = anchors = 0.0
+    num = den = bce = nb = usum = ucount = tau = anchors = imit_anchors = 0.0
     for b in range(B):
         for t in range(T):
             q = draft_logits[b, t].detach()
@@ -468,6 +472,7 @@ def test_vat_objective_all_terms_brute_force():
             if vk[0]:
                 anchors += 1
                 tau += ks  # 1 + accepted = k*
+            imit_anchors += any(vk[k] and int(td_k.argmax_draft[b, t, k]) >= 0 for k in range(K))
             for k in range(K):
                 if not vk[k]:
                     continue
@@ -493,7 +498,7 @@ def test_vat_objective_all_terms_brute_force():
                             miss = miss * (1 - a)
                     usum += (1 - (1 - anchor_routing[b, t, layer]) * miss).sum().item()
                     ucount += 1
-    expect = num / den + bce / nb + 0.1 * usum / (ucount * E)
+    expect = num / imit_anchors + bce / nb + 0.1 * usum / (ucount * E)
     assert loss.item() == pytest.approx(expect, rel=1e-5)
     assert metrics["tau_sim_sum"].item() == pytest.approx(tau) and metrics["tau_sim_count"].item() == anchors
     assert metrics["union_sim_sum"].item() == pytest.approx(usum, rel=1e-5)
@@ -503,7 +508,7 @@ def test_vat_objective_all_terms_brute_force():
     # the union term only logs when its weight is 0, and the switches remove each term
     sw0 = LossSwitches(soft_weight=1.0, hard_weight=0.5, adaptive_weights=True, union_top_m=3)
     loss0, metrics0 = vat_objective(draft_logits, td_k, valid, sw0, affinity=table, anchor_routing=anchor_routing)
-    assert loss0.item() == pytest.approx(num / den, rel=1e-5)
+    assert loss0.item() == pytest.approx(num / imit_anchors, rel=1e-5)
     assert metrics0["union_sim_sum"].item() == pytest.approx(usum, rel=1e-5)
 
 
@@ -566,3 +571,65 @@ def test_union_on_sampled_anchors_equals_union_on_those_anchors_alone():
     _, alone = vat_objective(logits[idx], sliced, valid[idx], switches, affinity=affinity, anchor_routing=routing[idx])
     assert torch.allclose(sub["union_sim_sum"], alone["union_sim_sum"])
     assert torch.equal(sub["union_sim_count"], alone["union_sim_count"])
+
+
+# ---- lambda normalisation: the union term's gradient is lambda times imitation's, on any target shape -----------------
+
+
+def _union_case(L, E, top_k, Vd, seed):
+    """A batch with an affinity table of L' layers x E experts, each row spreading top_k experts per layer."""
+    _, _, _, td_k, valid, _ = _batch(seed=seed, V=2 * Vd, Vd=Vd)
+    gen = torch.Generator().manual_seed(seed)
+    B, T, K = valid.shape
+    draft_logits = (torch.randn(B, T, K, Vd, generator=gen) * 2).requires_grad_(True)
+    table = torch.zeros(Vd, L, E)
+    for v in range(Vd):
+        for layer in range(L):
+            table[v, layer, torch.randperm(E, generator=gen)[:top_k]] = 1.0
+    routing = torch.zeros(B, T, L, E)
+    routing[..., :top_k] = 1.0
+    return draft_logits, td_k, valid, table, routing
+
+
+def _gradient_ratio(case, lam, norm):
+    draft_logits, td_k, valid, table, routing = case
+    sw = dict(soft_weight=1.0, hard_weight=1.0, adaptive_weights=True, union_top_m=4, union_norm=norm)
+    base, _ = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw), affinity=table, anchor_routing=routing)
+    full, m = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw, union_weight=lam), affinity=table,
+                            anchor_routing=routing)
+    (g_base,) = torch.autograd.grad(base, draft_logits)
+    (g_full,) = torch.autograd.grad(full, draft_logits)
+    return float((g_full - g_base).norm() / g_base.norm()), m
+
+
+def test_union_lambda_is_the_same_gradient_ratio_on_two_target_shapes():
+    small = _union_case(L=2, E=8, top_k=2, Vd=12, seed=3)  # a Mixtral-like shape
+    large = _union_case(L=6, E=64, top_k=8, Vd=12, seed=4)  # an OLMoE-like shape
+    for lam in (0.05, 0.3):
+        r_small, m = _gradient_ratio(small, lam, "grad_ratio")
+        r_large, _ = _gradient_ratio(large, lam, "grad_ratio")
+        assert r_small == pytest.approx(lam, rel=1e-4) and r_large == pytest.approx(lam, rel=1e-4)
+        assert m["union_scale_sum"].item() > 0
+    # the raw U/E penalty does not mean the same on both shapes (what the normalisation is for)
+    raw_small, _ = _gradient_ratio(small, 0.3, "none")
+    raw_large, _ = _gradient_ratio(large, 0.3, "none")
+    assert abs(raw_small / raw_large - 1) > 0.2
+
+
+def test_union_lambda_ratio_on_sampled_anchors():
+    draft_logits, td_k, valid, table, routing = _union_case(L=3, E=16, top_k=4, Vd=12, seed=5)
+    B, T, K, _ = draft_logits.shape
+    anchors = torch.tensor([0, 3, 7, 12])  # flat (b, t) indices
+    sw = dict(soft_weight=1.0, hard_weight=0.0, adaptive_weights=False, union_top_m=4)
+    base, _ = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw), affinity=table, anchor_routing=routing,
+                            union_anchors=anchors)
+    full, _ = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw, union_weight=0.2), affinity=table,
+                            anchor_routing=routing, union_anchors=anchors)
+    (g_base,) = torch.autograd.grad(base, draft_logits)
+    (g_full,) = torch.autograd.grad(full, draft_logits)
+    rows = g_base.reshape(-1, K, g_base.shape[-1])[anchors]  # imitation's gradient on the sampled anchors
+    extra = (g_full - g_base).reshape(-1, K, g_base.shape[-1])
+    assert float(extra[anchors].norm() / rows.norm()) == pytest.approx(0.2, rel=1e-4)
+    others = torch.ones(B * T, dtype=torch.bool)
+    others[anchors] = False
+    assert float(extra[others].abs().max()) == 0.0  # the union term reaches only the sampled anchors

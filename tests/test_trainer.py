@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 from tiny_models import save_tiny_target
 
 from vat.cli import main as vat_main
@@ -144,3 +145,22 @@ def test_two_process_ddp_training_with_gloo(workspace, tmp_path):
     for step, record in enumerate(lines):
         assert record["tokens"] == sum(lengths[i] for rank in (0, 1) for i in per_rank[rank][step])
     assert os.path.exists(out / "final" / "model.safetensors")
+
+
+def test_huge_verification_head_gradient_leaves_the_body_update_unchanged(workspace, tmp_path):
+    """The VH is its own parameter group with its own clip: scaling its loss by 1e6 (detached, so the body's
+    gradient is identical) must not change a single body weight, and both gradient norms are logged."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for beta in ("1.0", "1e6"):
+        out = str(tmp_path / f"beta{beta}")
+        train_main(_cfg(workspace, out, "method=vat", "loss.vh_detach=true", f"loss.vh_weight={beta}",
+                        "train.max_steps=3", "train.save_every=0"))
+        runs[beta] = (load_file(os.path.join(out, "final", "model.safetensors")), _metrics(out))
+    (w1, m1), (w2, m2) = runs["1.0"], runs["1e6"]
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], atol=0, rtol=0, msg=name)
+    for a, b in zip(m1, m2):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+        assert b["vh_grad_norm"] > 1e4 * a["vh_grad_norm"] > 0

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vat.verify import (
+    onpolicy_censor,
     expected_accept,
     first_rejection,
     gather_block_targets,
@@ -302,3 +303,53 @@ def test_target_dist_gather_ttt_consistent_with_per_step_target():
     for name in ("argmax", "argmax_draft", "probs", "mass"):
         a, b = getattr(td_k, name), getattr(direct, name)
         assert torch.allclose(a[valid].float(), b[valid].float(), atol=1e-6), name
+
+
+# ---- on-policy chain: censoring after the first data token that is not the target's argmax ---------------------------
+
+
+def _bf_censor(input_ids, argmax, K):
+    """Step k at anchor t is observed iff input_ids[t+1+j] == argmax[t+j] for j = 1..k (plain loops)."""
+    B, T = input_ids.shape
+    out = torch.zeros(B, T, K, dtype=torch.bool)
+    for b in range(B):
+        for t in range(T):
+            for k in range(K):
+                observed = True
+                for j in range(1, k + 1):
+                    i = t + j
+                    if i + 1 < T and int(input_ids[b, i + 1]) != int(argmax[b, i]):
+                        observed = False
+                out[b, t, k] = not observed
+    return out
+
+
+@pytest.mark.parametrize("K", [1, 3, 5])
+def test_onpolicy_censor_matches_brute_force(K):
+    gen = torch.Generator().manual_seed(K)
+    input_ids = torch.randint(0, 3, (3, 12), generator=gen)
+    argmax = torch.randint(0, 3, (3, 12), generator=gen)
+    got = onpolicy_censor(input_ids, argmax, K)
+    assert torch.equal(got, _bf_censor(input_ids, argmax, K))
+    assert not got[..., 0].any()  # step 0 is always observed
+    # the target's own text (argmax[i] = input_ids[i + 1]) censors nothing
+    own = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+    assert not onpolicy_censor(input_ids, own, K).any()
+
+
+def test_censored_positions_are_unknown_not_rejected():
+    # one anchor, K = 4: steps 0,1 accepted, step 2 onwards censored -> no observed rejection
+    Vd = 5
+    target = target_dist(torch.eye(Vd)[[0, 1, 2, 3]][None] * 10)  # argmax 0,1,2,3
+    draft = (torch.eye(Vd)[[0, 1, 4, 4]][None] * 10)  # steps 2,3 would be rejected
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    censored = torch.tensor([[False, False, True, True]])
+    plain = simulate_verification(draft, target, valid)
+    cens = simulate_verification(draft, target, valid, censored=censored)
+    assert int(plain.kstar) == 3 and int(cens.kstar) == 5  # K + 1: the chain survived as far as it is known
+    assert cens.valid.tolist() == [[True, True, False, False]]
+    assert cens.survival.tolist() == [[1.0, 1.0, 0.0, 0.0]]
+    assert float(cens.tau_sum) == 3.0 and cens.acc_count.tolist() == [1.0, 1.0, 0.0, 0.0]
+    # a rejection before the censoring is still a rejection
+    early = simulate_verification(torch.eye(Vd)[[4, 1, 4, 4]][None] * 10, target, valid, censored=censored)
+    assert int(early.kstar) == 1 and early.survival.tolist() == [[0.0, 0.0, 0.0, 0.0]]

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from vat.errors import VatError
+from vat.paths import resolve_recipe
 
 
 @dataclass
@@ -56,6 +57,7 @@ class DrafterConfig:
     norm_before_fc: bool = False
     fc_norm: bool = False
     verification_head: Optional[bool] = None  # null = from method (vat: on)
+    vh_input: str = "normed"  # what the verification head reads: normed (what the LM head reads) | prenorm (residual)
     rope_theta: Optional[float] = None
 
 
@@ -68,8 +70,10 @@ class LossConfig:
     adaptive_weights: Optional[bool] = None  # verification-adaptive weighting; null = from method
     prefix_only: bool = False  # ablation: zero weight after the first rejection (documented collapse)
     vh_weight: Optional[float] = None  # beta for the verification-head BCE; null = from method (vat: 1.0)
-    vh_detach: bool = False  # the VH reads a detached hidden state: its BCE trains the head, not the draft body
-    union_weight: float = 0.0  # lambda for the expert-union penalty (0 = off)
+    vh_detach: bool = False  # ablation: the VH reads a detached hidden state (its BCE trains the head, not the body)
+    onpolicy_chain: bool = True  # end the simulated chain where the data token is not the target's argmax
+    union_weight: float = 0.0  # lambda: the union term's gradient on the draft logits as a fraction of imitation's
+    union_norm: str = "grad_ratio"  # grad_ratio (lambda = gradient ratio, same on every target shape) | none (raw)
     union_top_m: int = 8  # candidates per draft step in the expected expert use
     union_max_anchors: Optional[int] = 1024  # anchors sampled per step for the union term (memory N·K·L'·E); null = all
     affinity: Optional[str] = None  # precomputed affinity table (`vat prep affinity`); null = online EMA
@@ -95,7 +99,8 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_ratio: float = 0.015
     scheduler: str = "cosine"  # cosine | constant
-    grad_clip: float = 0.5
+    grad_clip: float = 0.5  # the draft body's gradient-norm clip (EAGLE-3's 0.5)
+    vh_grad_clip: float = 1.0  # the verification head's own clip (its own parameter group)
     grad_accum: int = 1
     mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16
     log_every: int = 1
@@ -224,6 +229,7 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[list[str]] = N
     schema = OmegaConf.structured(VatConfig)
     layers = []
     if recipe is not None:
+        recipe = resolve_recipe(recipe)  # a packaged recipe when the path is not a file here
         if not os.path.exists(recipe):
             raise VatError(f"recipe not found: {recipe}")
         try:
@@ -258,6 +264,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "target.experts_impl": ("eager", "grouped_mm", "batched_mm", "triton"),
     "drafter.kind": ("eagle3", "dflash"),
     "loss.acceptance": ("greedy", "expected", "sampled"),
+    "loss.union_norm": ("grad_ratio", "none"),
+    "drafter.vh_input": ("normed", "prenorm"),
     "budget.policy": ("substitute", "truncate"),
     "budget.scope": ("sequence", "batch"),
     "train.scheduler": ("cosine", "constant"),
@@ -296,3 +304,180 @@ def apply_method_preset(cfg: Any) -> None:
 def to_yaml(cfg: Any) -> str:
     """The resolved config as YAML (written next to every checkpoint)."""
     return OmegaConf.to_yaml(cfg)
+
+
+# ==== vat bench: seeds x methods -> trained drafts -> real eval -> intervals (DESIGN §11) ==========================
+# Its own schema and loader; it reuses the key checks above (_all_keys, _check_keys, _closest), so an unknown bench
+# key stops at once with the closest valid one, as for a training recipe.
+
+BENCH_BASELINES = ("ngram", "none")  # training-free drafts `vat eval` knows: prompt lookup, autoregressive
+
+
+@dataclass
+class BenchMethodConfig:
+    recipe: str = ""  # training recipe: a path, or a packaged name such as tiny/eagle3.yaml
+    overrides: list[str] = field(default_factory=list)  # dotted overrides for this method only (after train_overrides)
+
+
+@dataclass
+class BenchEvalConfig:
+    benchmarks: list[str] = field(default_factory=lambda: ["spec_bench", "humaneval"])
+    limit: Optional[int] = 120  # prompts per benchmark (balanced over Spec-Bench's categories); null = all
+    max_new_tokens: int = 64  # per turn
+    steps: int = 7  # chain length K
+    budgets: list[Optional[int]] = field(default_factory=lambda: [None])  # expert budgets B; null = natural routing
+    temperature: float = 0.0  # 0 = greedy (lossless)
+
+
+@dataclass
+class BenchCurveConfig:
+    steps: list[int] = field(default_factory=list)  # checkpoint steps evaluated for τ vs training tokens; [] = off
+    limit: Optional[int] = 24  # prompts per benchmark for each curve point (a subset of the main eval's)
+
+
+@dataclass
+class BenchBootstrapConfig:
+    samples: int = 2000  # bootstrap replicates
+    seed: int = 0
+    confidence: float = 0.95
+
+
+@dataclass
+class BenchConfig:
+    name: str = "bench"
+    output_dir: str = "runs/bench"
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # seed i of every method shares data order
+    methods: dict[str, BenchMethodConfig] = field(default_factory=dict)  # label -> recipe + overrides
+    train_overrides: list[str] = field(default_factory=list)  # applied to every method (target, data, steps ...)
+    baselines: list[str] = field(default_factory=lambda: list(BENCH_BASELINES))  # training-free; evaluated once
+    reference: str = "eagle3"  # the method every ratio is taken against
+    eval: BenchEvalConfig = field(default_factory=BenchEvalConfig)
+    curve: BenchCurveConfig = field(default_factory=BenchCurveConfig)
+    bootstrap: BenchBootstrapConfig = field(default_factory=BenchBootstrapConfig)
+
+
+_BENCH_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # method labels name directories
+
+
+def _bench_schema(labels: list[str]) -> DictConfig:
+    """The bench schema with a method entry per label, so nested method keys are checked like any other."""
+    schema = OmegaConf.structured(BenchConfig)
+    for label in labels:
+        schema.methods[label] = OmegaConf.structured(BenchMethodConfig)
+    return schema
+
+
+def _bench_expected_type(key: str) -> str:
+    """The annotated type of a dotted bench key (a method label steps into :class:`BenchMethodConfig`)."""
+    import typing
+
+    cls: Any = BenchConfig
+    hint: Any = None
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if cls is BenchMethodConfig and i >= 1 and parts[i - 1] == "methods":
+            continue  # the label itself
+        hints = typing.get_type_hints(cls) if hasattr(cls, "__dataclass_fields__") else {}
+        if part not in hints:
+            return "?"
+        hint = hints[part]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) is typing.Union and len(args) == 1:
+            hint = args[0]
+        cls = BenchMethodConfig if part == "methods" else hint
+    name = getattr(hint, "__name__", None) if typing.get_origin(hint) is None else None
+    return name or str(hint).replace("typing.", "")
+
+
+def load_bench_config(path: Optional[str], overrides: Optional[list[str]] = None) -> BenchConfig:
+    """Build a bench configuration from a YAML file plus dotted overrides.
+
+    Args:
+        path: the bench YAML (e.g. ``recipes/bench/tiny.yaml``), or None for the defaults.
+        overrides: ``key.sub=value`` strings; ``methods.<label>.recipe=...`` adds or changes a method.
+
+    Returns:
+        A :class:`BenchConfig` (OmegaConf structured, attribute access), validated.
+
+    Raises:
+        VatError: a missing file, an unknown key (naming the closest valid one), a value of the wrong type, or
+            an inconsistent bench (no methods, a reference that is not a method, an unknown baseline ...).
+    """
+    import os
+
+    user: Any = OmegaConf.create({})
+    if path is not None:
+        if not os.path.exists(path):
+            raise VatError(f"bench config not found: {path}")
+        try:
+            user = OmegaConf.load(path)
+        except Exception as err:  # yaml syntax error
+            raise VatError(f"cannot parse bench config {path}: {str(err).splitlines()[0]}") from None
+        if isinstance(user, ListConfig):
+            raise VatError(f"bench config {path} must be a mapping of config keys, not a list")
+    items = list(overrides or [])
+    for item in items:
+        if "=" not in item:
+            raise VatError(f"override `{item}` is not of the form key.sub=value")
+    labels = list((user.get("methods") or {}).keys())
+    labels += [i.split("=", 1)[0].lstrip("+").split(".")[1] for i in items
+               if i.lstrip("+").startswith("methods.") and i.count(".", 0, i.find("=")) >= 2]
+    schema = _bench_schema(list(dict.fromkeys(labels)))
+    _check_keys(user, schema)
+    valid = _all_keys(schema)
+    layers = [user]
+    for item in items:
+        key = item.split("=", 1)[0].lstrip("+")
+        if key not in valid:
+            raise VatError(f"unknown bench config key `{key}`{_closest(key, valid)}")
+        layers.append(OmegaConf.from_dotlist([item.lstrip("+")]))
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(BenchConfig), *layers)
+    except ValidationError as err:
+        key = getattr(err, "full_key", None) or "?"
+        first = str(err).splitlines()[0]
+        found = re.search(r"Value '([^']*)'", first)
+        shown, detail = (f" `{found.group(1)}`", "") if found else ("", f" ({first})")
+        raise VatError(f"bad value{shown} for bench config key `{key}`: expected {_bench_expected_type(key)}{detail}") from None
+    except (ConfigKeyError, ConfigAttributeError) as err:
+        raise VatError(f"unknown bench config key: {str(err).splitlines()[0]}") from None
+    _check_bench(cfg)
+    return cfg  # type: ignore[return-value]
+
+
+def _check_bench(cfg: Any) -> None:
+    """Reject a bench that cannot produce its table, with one line naming the key."""
+    if not cfg.methods:
+        raise VatError("bench config has no `methods` (label: {recipe: ..., overrides: [...]})")
+    for label, method in cfg.methods.items():
+        if not _BENCH_LABEL.match(label):
+            raise VatError(f"method label `{label}` must be letters, digits and _ . + - (it names a directory)")
+        if not method.recipe:
+            raise VatError(f"bench config key `methods.{label}.recipe` is empty: name the training recipe")
+    if cfg.reference not in cfg.methods:
+        raise VatError(f"bench config key `reference`: `{cfg.reference}` is not a method"
+                       f"{_closest(cfg.reference, list(cfg.methods))}; one of {', '.join(cfg.methods)}")
+    for base in cfg.baselines:
+        if base not in BENCH_BASELINES:
+            raise VatError(f"bad baseline `{base}`{_closest(str(base), list(BENCH_BASELINES))}; "
+                           f"one of {', '.join(BENCH_BASELINES)}")
+        if base in cfg.methods:
+            raise VatError(f"`{base}` is both a method and a baseline; rename the method")
+    if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
+        raise VatError(f"bench config key `seeds` needs at least one seed and no repeats, got {list(cfg.seeds)}")
+    checks = [
+        ("eval.benchmarks", len(cfg.eval.benchmarks) >= 1, "at least one benchmark"),
+        ("eval.limit", cfg.eval.limit is None or cfg.eval.limit >= 1, ">= 1 or null"),
+        ("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, ">= 1"),
+        ("eval.steps", cfg.eval.steps >= 1, ">= 1"),
+        ("eval.budgets", len(cfg.eval.budgets) >= 1 and all(b is None or b >= 1 for b in cfg.eval.budgets),
+         "a non-empty list of budgets >= 1 or null"),
+        ("eval.temperature", cfg.eval.temperature >= 0, ">= 0"),
+        ("curve.steps", all(s >= 1 for s in cfg.curve.steps), "steps >= 1"),
+        ("curve.limit", cfg.curve.limit is None or cfg.curve.limit >= 1, ">= 1 or null"),
+        ("bootstrap.samples", cfg.bootstrap.samples >= 1, ">= 1"),
+        ("bootstrap.confidence", 0 < cfg.bootstrap.confidence < 1, "between 0 and 1"),
+    ]
+    for key, ok, need in checks:
+        if not ok:
+            raise VatError(f"bad value `{OmegaConf.select(cfg, key)}` for bench config key `{key}`: {need}")

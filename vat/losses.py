@@ -24,6 +24,7 @@ from vat.errors import VatError
 from vat.verify import ACCEPTANCE_RULES, TargetDist, VerificationResult, simulate_verification
 
 DRAFTER_KINDS = ("eagle3", "dflash")
+UNION_NORMS = ("grad_ratio", "none")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -334,6 +335,7 @@ class LossSwitches:
     prefix_only: bool = False  # ablation: zero weight after k* (uses k* even when adaptive_weights is off)
     vh_weight: float = 0.0  # beta, verification-head BCE
     union_weight: float = 0.0  # lambda, expert-union penalty
+    union_norm: str = "grad_ratio"  # grad_ratio: lambda = union/imitation gradient ratio on the logits | none: raw
     union_top_m: int = 8  # candidates per draft step in the expected expert use
     acceptance: str = "greedy"  # greedy | expected | sampled
     decay: float = 0.8  # EAGLE-3 base weight decay**k
@@ -347,6 +349,8 @@ class LossSwitches:
             raise VatError(f"drafter kind must be one of {list(DRAFTER_KINDS)}, got `{self.kind}`")
         if self.union_top_m < 1:
             raise VatError(f"loss.union_top_m must be >= 1, got {self.union_top_m}")
+        if self.union_norm not in UNION_NORMS:
+            raise VatError(f"loss.union_norm must be one of {list(UNION_NORMS)}, got `{self.union_norm}`")
 
     @classmethod
     def from_config(cls, loss_cfg: Any, kind: str = "eagle3", block_size: int | None = None) -> LossSwitches:
@@ -361,6 +365,7 @@ class LossSwitches:
             prefix_only=bool(loss_cfg.prefix_only),
             vh_weight=float(loss_cfg.vh_weight or 0.0),
             union_weight=float(loss_cfg.union_weight or 0.0),
+            union_norm=str(getattr(loss_cfg, "union_norm", "grad_ratio")),
             union_top_m=int(loss_cfg.union_top_m),
             acceptance=str(loss_cfg.acceptance),
             decay=float(loss_cfg.decay),
@@ -389,10 +394,14 @@ def vat_objective(
     generator: torch.Generator | None = None,
     union_anchors: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The full training objective.
+    """The full training objective, on the VAT paper's scale.
 
-    ``L = Σ ŵ (soft_weight·ℓ_soft + hard_weight·ℓ_hard) / Σ ŵ + vh_weight·L_VH + union_weight·L_union``, sums over
-    imitation positions (valid, target argmax inside the draft vocab, ``imitation_mask``).
+    ``L = (1/N) Σ_anchors Σ_k ŵ_k (soft_weight·ℓ_soft + hard_weight·ℓ_hard) + vh_weight·L_VH + λ·s·L_union``:
+    the imitation term is summed over draft positions and averaged over the N anchors that have an imitation
+    position (SpecForge's Σ_k w_k·mean_t ℓ and the paper's per-anchor sum), so ``vh_weight = 1`` is the paper's β.
+    With ``union_norm = grad_ratio`` the stop-gradient scale s makes the union term's gradient on the (sampled
+    anchors') draft logits exactly λ times the imitation term's there, whatever the target's layers, experts and
+    top-k; with ``none`` s = 1 and ``L_union = mean U / E``.
 
     Args:
         draft_logits: ``(..., K, V_d)`` draft logits (grad).
@@ -400,7 +409,8 @@ def vat_objective(
         valid: ``(..., K)`` bool: the position exists and is loss-masked.
         switches: :class:`LossSwitches`.
         vh_logits: ``(..., K)`` verification-head logits (grad); required when ``vh_weight > 0``; when given with
-            ``vh_weight == 0`` the BCE is only logged.
+            ``vh_weight == 0`` the BCE is only logged. Its labels are the survival at observed positions
+            (``verification.valid``: censored positions carry no label).
         imitation_mask: ``(..., K)`` bool extra mask for the imitation terms (e.g. data token outside the draft vocab).
         affinity: ``(V_d, L', E)`` affinity table; with ``anchor_routing``, required when ``union_weight > 0``
             (logged only when the weight is 0).
@@ -413,8 +423,8 @@ def vat_objective(
     Returns:
         ``(loss (), metrics)``: metrics are detached SUM-reducible tensors — ``loss_k_sum/count (K,)``,
         ``acc_k_sum/count (K,)``, ``cond_acc_k_sum/count (K,)``, ``tau_sim_sum/count ()``, ``weight_sum ()``
-        (Σ ŵ over imitation positions), and when computed ``vh_bce_sum/count ()``, ``union_sim_sum/count ()``
-        (in experts per layer per anchor).
+        (Σ ŵ over imitation positions), ``imitation_anchors ()``, and when computed ``vh_bce_sum/count ()``,
+        ``union_sim_sum/count ()`` (in experts per layer per anchor), ``union_scale_sum/count ()``.
     """
     K = draft_logits.shape[-2]
     dev = draft_logits.device
@@ -437,6 +447,7 @@ def vat_objective(
             imit = imit & imitation_mask.bool()
         wm = w * imit.float()  # (..., K)
         weight_sum = wm.sum()
+        anchors = imit.any(-1).float().sum()  # N: anchors with at least one imitation position
 
     metrics: dict[str, Tensor] = {}
     loss = draft_logits.new_zeros((), dtype=torch.float32)
@@ -449,17 +460,17 @@ def vat_objective(
             ids = target.argmax_draft.clamp_min(0).unsqueeze(-1)  # (..., K, 1)
             per_pos = per_pos + switches.hard_weight * -logq.gather(-1, ids).squeeze(-1)
         per_pos = torch.where(imit, per_pos, torch.zeros_like(per_pos))  # (..., K)
-        num = (wm * per_pos).sum()
-        loss = loss + torch.where(weight_sum > 0, num / weight_sum.clamp_min(1e-12), num * 0.0)
+        loss = loss + (wm * per_pos).sum() / anchors.clamp_min(1.0)
         metrics["loss_k_sum"] = per_pos.detach().sum(lead) if lead else per_pos.detach()
         metrics["loss_k_count"] = imit.float().sum(lead) if lead else imit.float()
     metrics["weight_sum"] = weight_sum
+    metrics["imitation_anchors"] = anchors
     metrics.update(verification.metrics())
 
     if switches.vh_weight and vh_logits is None:
         raise ValueError("vh_weight > 0 needs vh_logits (the drafter's verification head)")
     if vh_logits is not None:
-        bce_sum, bce_count = _vh_bce_sums(vh_logits, verification.survival, valid)
+        bce_sum, bce_count = _vh_bce_sums(vh_logits, verification.survival, verification.valid)
         if switches.vh_weight:
             loss = loss + switches.vh_weight * bce_sum / bce_count.clamp_min(1.0)
         metrics["vh_bce_sum"] = bce_sum.detach()
@@ -469,20 +480,69 @@ def vat_objective(
         raise ValueError("union_weight > 0 needs the affinity table and the anchors' routing")
     if affinity is not None and anchor_routing is not None:
         u_logits, u_routing, u_valid, u_anchor = draft_logits, anchor_routing, valid, verification.anchor_valid
+        u_target, u_wm = target, wm
         if union_anchors is not None:  # the union term on a subset of anchors: (N, K, L', E) grows with L'·E
             u_logits = draft_logits.reshape(-1, K, draft_logits.shape[-1])[union_anchors]  # (M, K, V_d)
             u_routing = anchor_routing.reshape(-1, *anchor_routing.shape[-2:])[union_anchors]  # (M, L', E)
             u_valid = valid.reshape(-1, K)[union_anchors]  # (M, K)
             u_anchor = verification.anchor_valid.reshape(-1)[union_anchors]  # (M,)
+            u_target = target.apply(lambda x: x.reshape(-1, K, *x.shape[valid.dim():])[union_anchors])
+            u_wm = wm.reshape(-1, K)[union_anchors]  # (M, K)
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(switches.union_weight)):
             a = expected_expert_use(u_logits, affinity, switches.union_top_m, is_logits=True)  # (..., K, L', E)
             union = soft_union(a, u_routing, u_valid)  # (..., L')
             penalty, u_sum, u_count = union_penalty(union, affinity.shape[-1], u_anchor)
         if switches.union_weight:
-            loss = loss + switches.union_weight * penalty
+            scale = torch.ones((), device=dev)
+            if switches.union_norm == "grad_ratio" and penalty.requires_grad:
+                g_imit = imitation_logit_grad(u_logits.detach(), u_target, u_wm, switches, anchors)
+                (g_union,) = torch.autograd.grad(penalty, u_logits, retain_graph=True)
+                scale = union_grad_scale(g_imit, g_union)
+            loss = loss + switches.union_weight * scale * penalty
+            metrics["union_scale_sum"] = scale.detach()
+            metrics["union_scale_count"] = torch.ones((), device=dev)
         metrics["union_sim_sum"] = u_sum
         metrics["union_sim_count"] = u_count
     return loss, metrics
+
+
+@torch.no_grad()
+def imitation_logit_grad(
+    draft_logits: Tensor, target: TargetDist, weights: Tensor, switches: LossSwitches, anchors: Tensor
+) -> Tensor:
+    """Gradient of :func:`vat_objective`'s imitation term with respect to the draft logits, in closed form.
+
+    ``∂/∂z [ŵ (s·ℓ_soft + h·ℓ_hard) / N] = ŵ/N · (s (softmax z - p) + h (softmax z - e_y))`` per position.
+
+    Args:
+        draft_logits: ``(..., K, V_d)``.
+        target: :class:`TargetDist` with fields ``(..., K[, V_d])``.
+        weights: ``(..., K)`` adaptive or base weights times the imitation mask.
+        switches: the soft and hard weights.
+        anchors: ``()`` N, the imitation term's denominator.
+
+    Returns:
+        ``(..., K, V_d)`` fp32.
+    """
+    q = draft_logits.float().softmax(-1)  # (..., K, V_d)
+    grad = torch.zeros_like(q)
+    if switches.soft_weight:
+        grad += switches.soft_weight * (q - target.probs)
+    if switches.hard_weight:
+        onehot = torch.zeros_like(q).scatter_(-1, target.argmax_draft.clamp_min(0).unsqueeze(-1), 1.0)
+        grad += switches.hard_weight * (q - onehot)
+    return grad * (weights / anchors.clamp_min(1.0)).unsqueeze(-1)
+
+
+def union_grad_scale(imitation_grad: Tensor, union_grad: Tensor) -> Tensor:
+    """``||∇_z L_imit|| / ||∇_z L_union||`` over the same logits (stop-gradient; 0 when the union has no gradient).
+
+    Multiplying the union penalty by this makes λ the ratio of the two gradients' norms on the draft logits: a value
+    of λ means the same pull on every target shape (the raw ``U/E`` penalty's gradient scales like top_k/E).
+    """
+    num = imitation_grad.float().norm()
+    den = union_grad.detach().float().norm()
+    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(den))
 
 
 def finalize_metrics(metrics: dict[str, Tensor]) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from vat.config import load_config, to_yaml
 from vat.data import BucketedBatches, collate, load_prepared
 from vat.errors import VatError
 
+VH_PREFIX = "verification_head."
+
 
 def cli_main(args) -> int:
     """`vat train` entry: build the config from the recipe and overrides, then :func:`main`."""
@@ -137,7 +139,7 @@ class Trainer:
             draft_vocab_size=int(d2t.shape[0]), aux_layer_ids=list(target.aux_layer_ids),
             ttt_steps=cfg.drafter.ttt_steps, norm_before_residual=cfg.drafter.norm_before_residual,
             norm_before_fc=cfg.drafter.norm_before_fc, fc_norm=cfg.drafter.fc_norm,
-            verification_head=bool(cfg.drafter.verification_head), target_path=target.path or str(cfg.target.path),
+            verification_head=bool(cfg.drafter.verification_head), vh_input=cfg.drafter.vh_input, target_path=target.path or str(cfg.target.path),
             vocab_size=target.vocab_size,
         )
         for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rope_theta"):
@@ -193,9 +195,16 @@ class Trainer:
         from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
         cfg = self.cfg
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        # the verification head is its own parameter group with its own clip: its gradient must not set the clip
+        # factor of the draft body (DESIGN §4.4)
+        named = [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
+        self.body_params = [p for n, p in named if not n.startswith(VH_PREFIX)]
+        self.vh_params = [p for n, p in named if n.startswith(VH_PREFIX)]
+        groups = [{"params": self.body_params, "name": "body"}]
+        if self.vh_params:
+            groups.append({"params": self.vh_params, "name": "verification_head"})
         self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
+            groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
         )
         steps_per_epoch = max(self.batches_per_epoch // cfg.train.grad_accum, 1)
         self.total_steps = int(cfg.train.max_steps or steps_per_epoch * cfg.train.epochs)
@@ -222,7 +231,7 @@ class Trainer:
 
     def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         from vat.losses import ttt_anchor_routing, vat_objective
-        from vat.verify import simulate_verification, target_dist
+        from vat.verify import onpolicy_censor, simulate_verification, target_dist
 
         input_ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         tout = self.target.forward(input_ids, attention_mask=attention, budget=budget)
@@ -234,7 +243,15 @@ class Trainer:
         topk = tout.topk_ids  # (L', B, T, k)
         # the verification block of anchor t starts with the root token t+1, whose routing is known exactly
         anchor_routing = ttt_anchor_routing(topk, self.target.num_experts)  # (B, T, L', E)
-        verification = simulate_verification(out.logits, gathered, valid, acceptance=self.switches.acceptance)
+        # on data that is not the target's own, the teacher-forced chain leaves real verification at the first data
+        # token that is not the target's argmax: later steps are censored, not rejected (DESIGN §4.3)
+        censored = onpolicy_censor(input_ids, dist.argmax, self.K) if self.cfg.loss.onpolicy_chain else None
+        verification = simulate_verification(out.logits, gathered, valid, acceptance=self.switches.acceptance,
+                                             censored=censored)
+        if censored is not None:
+            metrics_extra = {"censored_sum": (censored & valid).float().sum(), "censored_count": valid.float().sum()}
+        else:
+            metrics_extra = {}
         vh_logits = out.vh_logits  # (B, T, K) or None
         loss, metrics = vat_objective(
             out.logits, gathered, valid, self.switches, vh_logits=vh_logits,
@@ -247,6 +264,7 @@ class Trainer:
         rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
         dropped_as_negative = topk.masked_fill(topk >= self.target.num_experts, -1)
         self.affinity.update(rows, dropped_as_negative, attention.bool())
+        metrics.update(metrics_extra)
         metrics["tokens"] = attention.sum().float()
         return loss, metrics
 
@@ -294,8 +312,7 @@ class Trainer:
                         continue
                     self.accelerator.backward(loss)
                     if self.accelerator.sync_gradients:
-                        grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip)
-                        metrics["grad_norm"] = torch.as_tensor(float(grad_norm))
+                        metrics.update(self._clip_gradients())
                     self.optimizer.step()
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
@@ -330,6 +347,15 @@ class Trainer:
             self.save_final(last)
         return last
 
+    def _clip_gradients(self) -> dict[str, torch.Tensor]:
+        """Clip the body and the verification head each to its own norm; return both pre-clip norms."""
+        self.accelerator.unscale_gradients()  # once: a no-op unless fp16 with a grad scaler
+        clip = torch.nn.utils.clip_grad_norm_
+        norms = {"grad_norm": clip(self.body_params, self.cfg.train.grad_clip)}
+        if self.vh_params:
+            norms["vh_grad_norm"] = clip(self.vh_params, self.cfg.train.vh_grad_clip)
+        return {k: torch.as_tensor(float(v)) for k, v in norms.items()}
+
     def _nonfinite(self, indices: list[int]) -> None:
         self.nonfinite_total += 1
         self.nonfinite_streak += 1
@@ -357,8 +383,9 @@ class Trainer:
             else:
                 record[key] = _finite_or_none(value)
         record["lr"] = float(self.scheduler.get_last_lr()[0])
-        if "grad_norm" in reduced:
-            record["grad_norm"] = float(reduced["grad_norm"]) / self.accelerator.num_processes
+        for key in ("grad_norm", "vh_grad_norm"):  # identical on every rank after the all-reduce of gradients
+            if key in reduced:
+                record[key] = float(reduced[key]) / self.accelerator.num_processes
         record["tokens"] = float(reduced.get("tokens", 0.0))
         if self.vh_pairs:
             record["vh_auc"] = _finite_or_none(self._vh_auc())

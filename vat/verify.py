@@ -241,6 +241,33 @@ def gather_block_targets(
     return gathered, valid
 
 
+@torch.no_grad()
+def onpolicy_censor(input_ids: Tensor, target_argmax: Tensor, K: int) -> Tensor:
+    """Positions of the EAGLE-3 TTT layout whose simulated verification is not the real one (``loss.onpolicy_chain``).
+
+    Step k at anchor t is fed the data tokens ``t+2 .. t+1+k`` as its earlier drafts; real verification continues on
+    the target's argmax instead. The two agree only while every such data token is the target's argmax, so step k is
+    *observed* iff ``input_ids[t+1+j] == argmax[t+j]`` for j = 1..k, and *censored* after the first mismatch: its
+    outcome is unknown (neither accepted nor rejected). Step 0 is always observed.
+
+    Args:
+        input_ids: ``(B, T)`` data tokens.
+        target_argmax: ``(B, T)`` the target's argmax at each position (target vocab; predicts token t + 1).
+        K: TTT steps.
+
+    Returns:
+        ``(B, T, K)`` bool, True where the step is censored.
+    """
+    B, T = input_ids.shape
+    mismatch = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)  # (B, T): data token i+1 != argmax at i
+    if T > 1:
+        mismatch[:, :-1] = input_ids[:, 1:] != target_argmax[:, :-1]
+    mismatch_k, _ = gather_ttt_targets(mismatch, K)  # (B, T, K): at index t+1+k; past the end: no mismatch
+    # censored[k] = any mismatch at steps j < k: shift right by one (step 0 never), running OR
+    earlier = torch.cat([torch.zeros_like(mismatch_k[..., :1]), mismatch_k[..., :-1]], dim=-1)  # (B, T, K)
+    return torch.cummax(earlier.long(), dim=-1).values.bool()
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # accept masks
 # ----------------------------------------------------------------------------------------------------------------------
@@ -413,8 +440,14 @@ def simulate_verification(
     acceptance: str = "greedy",
     draft_to_target: Tensor | None = None,
     generator: torch.Generator | None = None,
+    censored: Tensor | None = None,
 ) -> VerificationResult:
     """Simulate the target's left-to-right verification of every anchor's K drafted positions.
+
+    Censored positions (``censored``, e.g. from :func:`onpolicy_censor`) have an unknown outcome: they are neither
+    accepted nor rejected. They are left out of the survival labels, τ_sim and the acceptance metrics (the returned
+    ``valid`` excludes them) and do not end the chain for k*: a chain that survives up to its censoring has no
+    observed rejection (k* = K + 1), so the adaptive weights keep every later position at weight 1.
 
     Args:
         draft_logits: ``(..., K, V_d)`` draft logits over the draft vocab (detached internally).
@@ -424,9 +457,10 @@ def simulate_verification(
         acceptance: ``greedy`` (argmax match), ``expected`` (α = Σ min(p, q)) or ``sampled`` (one Bernoulli draw).
         draft_to_target: ``(V_d,)`` int64 absolute target ids; only used when ``target`` is raw logits.
         generator: RNG for ``sampled`` (on the logits' device).
+        censored: ``(..., K)`` bool, positions whose outcome is unknown (a suffix of each chain); None = none.
 
     Returns:
-        A :class:`VerificationResult`.
+        A :class:`VerificationResult` whose ``valid`` is ``valid & ~censored``.
     """
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"unknown acceptance rule {acceptance!r}; one of {ACCEPTANCE_RULES}")
@@ -443,8 +477,14 @@ def simulate_verification(
         p = target.probs_on_draft()  # (..., K, V_d)
         m = expected_accept(q, p) if acceptance == "expected" else sampled_accept(q, p, generator)
     m = m * valid.float()  # (..., K)
+    if censored is not None:
+        censored = censored.bool()
+        valid = valid & ~censored  # observed positions
+        m = torch.where(censored, torch.ones_like(m), m)  # unknown outcome: does not end the chain (k*)
     kprobs = kstar_distribution(m)  # (..., K+1)
-    v = torch.cumprod(m, dim=-1)  # (..., K)
+    if censored is not None:
+        m = m * valid.float()  # labels and metrics from observed positions only
+    v = torch.cumprod(m, dim=-1) if censored is None else torch.cumprod(torch.where(censored, 1.0, m), -1) * valid
     v_prev = torch.cat([torch.ones_like(v[..., :1]), v[..., :-1]], dim=-1)  # (..., K)
     validf = valid.float()
     anchor_valid = valid[..., 0]  # (...,)

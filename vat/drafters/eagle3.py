@@ -39,6 +39,10 @@ from vat.errors import VatError
 from vat.target.conventions import default_aux_layer_ids
 
 NUM_AUX_LAYERS = 3
+VH_INPUTS = ("normed", "prenorm")
+# the verification head starts as the constant prior P(accept) = 0.2 (zero weight): before it has learned anything
+# it sends no gradient into the draft body, and its BCE starts near the entropy of a typical acceptance rate
+VH_PRIOR = 0.2
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -70,7 +74,8 @@ class Eagle3Config:
     norm_before_residual: bool = False  # residual from hidden_norm(g) instead of g (speculators / vLLM option)
     norm_before_fc: bool = False  # one RMSNorm over the 3*H_t concat before fc (speculators "gpt-oss style")
     fc_norm: bool = False  # one RMSNorm per aux chunk before fc ("EAGLE 3.1"); exclusive with norm_before_fc
-    verification_head: bool = False  # Linear(H -> 1) on the pre-norm hidden of every step (logit)
+    verification_head: bool = False  # Linear(H -> 1) + sigmoid at every step: P(this draft position is accepted)
+    vh_input: str = "normed"  # the VH reads norm(h) (what lm_head reads) | "prenorm" h (checkpoints before it existed)
     ttt_steps: int = 7  # default TTT unroll K (also the speculative_tokens written to speculators configs)
     target_path: str | None = None  # the target this draft was trained for
     pad_token_id: int = 0  # token fed at teacher-forced positions past the end of a row
@@ -103,6 +108,8 @@ class Eagle3Config:
             self.aux_layer_ids = default_aux_layer_ids(self.num_target_layers)
         if self.ttt_steps < 1:
             raise VatError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.vh_input not in VH_INPUTS:
+            raise VatError(f"vh_input must be one of {', '.join(VH_INPUTS)}, got {self.vh_input!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict of every field."""
@@ -117,6 +124,8 @@ class Eagle3Config:
                 close = difflib.get_close_matches(key, names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise VatError(f"unknown Eagle3Config key {key!r}{hint}")
+        if "vh_input" not in data:  # written before the key existed: the head read the pre-norm residual
+            data = {**data, "vh_input": "prenorm"}
         return cls(**data)
 
     @classmethod
@@ -502,6 +511,8 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.verification_head = nn.Linear(cfg.hidden_size, 1) if cfg.verification_head else None
+        if self.verification_head is not None:
+            self.reset_verification_head()
         d2t, t2d = identity_vocab_mapping(cfg.vocab_size, cfg.draft_vocab_size)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
@@ -560,15 +571,24 @@ class Eagle3Drafter(nn.Module):
     def _vh(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return None if self.verification_head is None else self.verification_logits(hidden)
 
+    @torch.no_grad()
+    def reset_verification_head(self) -> None:
+        """Zero weight and bias logit(``VH_PRIOR``): the head predicts the prior and sends no gradient into the body."""
+        self.verification_head.weight.zero_()
+        self.verification_head.bias.fill_(math.log(VH_PRIOR / (1.0 - VH_PRIOR)))
+
     def verification_logits(self, hidden: torch.Tensor, detach: bool = False) -> torch.Tensor:
         """Pre-norm hidden (…, H) -> verification-head logits (…,).
 
-        ``detach=True`` reads a detached hidden state: the head's loss then trains the head only, not the draft body
-        (``loss.vh_detach``).
+        The head reads ``norm(hidden)``, what ``lm_head`` reads (``vh_input="normed"``), or the pre-norm residual
+        itself (``"prenorm"``, older checkpoints), whose scale grows with depth and training and whose weight gradient
+        swamped a shared gradient clip. ``detach=True`` reads a detached hidden state: the head's loss then trains the
+        head only, not the draft body (``loss.vh_detach``).
         """
         if self.verification_head is None:
             raise VatError("this draft has no verification head (drafter.verification_head=false)")
-        return self.verification_head(hidden.detach() if detach else hidden).squeeze(-1)
+        x = self.norm(hidden) if self.config.vh_input == "normed" else hidden
+        return self.verification_head(x.detach() if detach else x).squeeze(-1)  # detach after the shared norm too
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self._dtype)
@@ -868,7 +888,7 @@ def ttt_reference_forward(
                 hiddens[b, t, k] = g
                 logits[b, t, k] = model.compute_logits(g)
                 if model.verification_head is not None:
-                    vh[b, t, k] = model.verification_head(g)[0]
+                    vh[b, t, k] = model.verification_head(model.norm(g) if cfg.vh_input == "normed" else g)[0]
     return Eagle3TTTOutput(logits=logits, hidden=hiddens, vh_logits=vh if model.verification_head is not None else None)
 
 

@@ -121,6 +121,7 @@ def vat_block(cfg: Eagle3Config, has_vh: bool) -> dict[str, Any]:
         "target_path": cfg.target_path,
         "ttt_steps": cfg.ttt_steps,
         "verification_head_file": VH_FILE if has_vh else None,
+        "vh_input": cfg.vh_input if has_vh else None,
     }
 
 
@@ -139,9 +140,11 @@ def apply_vat_block(values: dict[str, Any], block: dict[str, Any] | None, source
         )
     if engine_ids is None and ids is not None:
         values["aux_layer_ids"] = list(ids)
-    for key in ("num_target_layers", "target_path", "ttt_steps"):
+    for key in ("num_target_layers", "target_path", "ttt_steps", "vh_input"):
         if block.get(key) is not None:
             values.setdefault(key, block[key])
+    if block.get("verification_head_file") and block.get("vh_input") is None:
+        values.setdefault("vh_input", "prenorm")  # exported before the key existed: the head read the residual
 
 
 # ----------------------------------------------------------------------------------------------------------------------
