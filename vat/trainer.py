@@ -98,16 +98,16 @@ class Trainer:
                 f.write(to_yaml(cfg))
 
     def _setup_data(self) -> None:
-        from vat.defaults import ensure_draft_vocab, ensure_tiny_data
+        from vat.defaults import TINY_DATA_NAMES, ensure_draft_vocab, resolve_train_data
 
         cfg = self.cfg
         data_path = cfg.data.train
-        if data_path == "tiny":
+        if data_path in TINY_DATA_NAMES:  # the embedded target's data, built once by rank 0, then read by all
             target_name = cfg.target.path if cfg.target.path in ("tiny", "tiny-quick") else "tiny"
             if self.is_main:
-                ensure_tiny_data(target_name, max_length=cfg.data.max_length)
+                resolve_train_data(data_path, target_name, cfg.data.max_length)
             self.accelerator.wait_for_everyone()
-            data_path = ensure_tiny_data(target_name, max_length=cfg.data.max_length)
+            data_path = resolve_train_data(data_path, target_name, cfg.data.max_length)
         self.data_path = data_path
         self.dataset, self.dropped_over_length = load_prepared(data_path, cfg.data.max_length, cfg.data.limit)
         lengths = self.dataset["length"] if "length" in self.dataset.column_names else [
