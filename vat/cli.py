@@ -136,6 +136,22 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_dispatch("vat.eval.run:main"))
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="seeds x methods: train every draft, evaluate it for real, τ per benchmark with 95 %% intervals",
+        description="vat bench CONFIG.yaml [key.sub=value ...]. Trains each method with each seed on the same data, "
+        "order and steps, evaluates every draft (and the training-free baselines) with the real engine on the same "
+        "prompts, and writes DIR/bench.json, DIR/bench.md and PNGs: τ per benchmark with bootstrap intervals over "
+        "seeds and prompts, paired ratios to the reference method, τ against training tokens. Finished cells are "
+        "skipped on rerun and a killed training resumes. Overrides use dotted keys, e.g. seeds=[0] eval.limit=20 "
+        "output_dir=runs/b methods.vat.overrides=[loss.vh_weight=0].",
+    )
+    p.add_argument("config", help="bench YAML, e.g. recipes/bench/tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides key.sub=value")
+    p.set_defaults(func=_dispatch("vat.bench.run:main"))
+
+
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
@@ -168,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version="vat " + __import__("vat").__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_prep, _add_profile, _add_train, _add_eval, _add_export, _add_demo):
+    for add in (_add_prep, _add_profile, _add_train, _add_eval, _add_bench, _add_export, _add_demo):
         add(sub)
     return parser
 

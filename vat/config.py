@@ -461,8 +461,9 @@ def _check_bench(cfg: Any) -> None:
         if base not in BENCH_BASELINES:
             raise VatError(f"bad baseline `{base}`{_closest(str(base), list(BENCH_BASELINES))}; "
                            f"one of {', '.join(BENCH_BASELINES)}")
-        if base in cfg.methods:
-            raise VatError(f"`{base}` is both a method and a baseline; rename the method")
+    for label in cfg.methods:
+        if label in BENCH_BASELINES:
+            raise VatError(f"method label `{label}` is the name of a training-free baseline; rename the method")
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
         raise VatError(f"bench config key `seeds` needs at least one seed and no repeats, got {list(cfg.seeds)}")
     checks = [

@@ -1,0 +1,210 @@
+"""`vat bench`: the bootstrap statistics on synthetic counts, the config's checks, and the quick bench end to end.
+
+The end-to-end test runs ``recipes/bench/tiny_quick.yaml`` through the CLI on the quick tiny target (2 seeds x 2
+methods, 8 steps, 3 prompts per benchmark), then reruns it and checks that every finished cell is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau, pooled_tau, replicate_taus
+from vat.config import load_bench_config
+from vat.errors import VatError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = os.path.join(REPO, "recipes", "bench", "tiny_quick.yaml")
+
+
+def _counts(rng: np.random.Generator, seeds: int, prompts: int) -> tuple[np.ndarray, np.ndarray]:
+    rounds = rng.integers(5, 40, size=(seeds, prompts)).astype(float)  # (S, P)
+    committed = rounds * rng.uniform(1.0, 3.0, size=(seeds, prompts))  # (S, P): τ of each prompt in [1, 3]
+    return np.round(committed), rounds
+
+
+# ---- statistics ---------------------------------------------------------------------------------------------------
+
+
+def test_pooled_tau_is_a_ratio_of_sums_not_a_mean_of_ratios():
+    committed = np.array([[2.0, 30.0]])
+    rounds = np.array([[1.0, 20.0]])
+    assert pooled_tau(committed, rounds) == pytest.approx(32 / 21)
+    assert per_seed_tau(np.array([[2.0], [6.0]]), np.array([[1.0], [2.0]])) == [2.0, 3.0]
+
+
+def test_replicates_of_unit_weights_are_the_point_estimate():
+    c, r = _counts(np.random.default_rng(0), 3, 7)
+    taus = replicate_taus(c, r, np.ones((2, 3)), np.ones((2, 7)))
+    assert taus == pytest.approx([pooled_tau(c, r)] * 2)
+
+
+def test_identical_inputs_give_ratio_one_with_a_degenerate_interval():
+    c, r = _counts(np.random.default_rng(1), 3, 20)
+    est = paired_ratio(c, r, c.copy(), r.copy(), samples=500)
+    assert (est.value, est.low, est.high) == (1.0, 1.0, 1.0)
+
+
+def test_exact_multiple_gives_that_ratio_with_a_tight_interval():
+    c, r = _counts(np.random.default_rng(2), 3, 30)
+    est = paired_ratio(1.1 * c, r, c, r, samples=500)
+    assert est.value == pytest.approx(1.1)
+    assert est.low == pytest.approx(1.1) and est.high == pytest.approx(1.1)  # pairing cancels prompt variance
+
+
+def test_unpaired_noise_widens_the_interval_and_pairing_narrows_it():
+    rng = np.random.default_rng(3)
+    c, r = _counts(rng, 3, 30)
+    noisy = c * rng.uniform(0.9, 1.1, size=c.shape)
+    paired = paired_ratio(noisy, r, c, r, samples=500)
+    shuffled = paired_ratio(noisy[:, rng.permutation(30)], r[:, rng.permutation(30)], c, r, samples=500)
+    assert paired.low <= paired.value <= paired.high
+    assert paired.high - paired.low < shuffled.high - shuffled.low
+
+
+def test_single_seed_and_baseline_without_seeds():
+    c, r = _counts(np.random.default_rng(4), 1, 15)
+    tau = bootstrap_tau(c, r, samples=300)
+    assert tau.low <= tau.value <= tau.high and tau.low < tau.high
+    ratio = paired_ratio(c, r, c, r, samples=300)
+    assert (ratio.low, ratio.high) == (1.0, 1.0)
+    # a baseline (one row) against a 3-seed reference: pairs over prompts, the reference's seeds resampled
+    ref_c, ref_r = _counts(np.random.default_rng(5), 3, 15)
+    ar = paired_ratio(r, r, ref_c, ref_r, samples=300)  # AR: committed = rounds, τ = 1
+    assert ar.value == pytest.approx(1.0 / pooled_tau(ref_c, ref_r))
+    assert ar.low <= ar.value <= ar.high
+
+
+def test_mismatched_shapes_are_refused():
+    c, r = _counts(np.random.default_rng(6), 3, 10)
+    with pytest.raises(ValueError, match="prompts"):
+        paired_ratio(c[:, :9], r[:, :9], c, r)
+    with pytest.raises(ValueError, match="seeds"):
+        paired_ratio(c[:2], r[:2], c, r)
+
+
+def _noisy(rng: np.random.Generator, rounds: np.ndarray, mu: np.ndarray) -> np.ndarray:
+    """Committed counts (S, P): τ ``mu`` per prompt, a small per-seed training effect, per-prompt sampling noise."""
+    luck = np.exp(rng.normal(0.0, 0.01, size=(rounds.shape[0], 1)))  # (S, 1)
+    return rounds * mu * luck + rng.normal(0.0, 0.6, size=rounds.shape) * np.sqrt(rounds)
+
+
+def test_interval_coverage_on_a_known_ratio():
+    """Prompts drawn from a population where the method commits 1.1x the reference per round, with per-prompt noise
+    and a small per-seed effect: the 95 % paired interval should cover 1.1 in most experiments (not all: with three
+    seeds the seed resampling is itself noisy)."""
+    rng = np.random.default_rng(7)
+    true, hits, widths, n = 1.1, 0, [], 120
+    for i in range(n):
+        rounds = np.tile(rng.integers(20, 60, size=40).astype(float), (3, 1))  # (S, P)
+        mu = rng.uniform(1.2, 2.2, size=40)  # (P,) the reference's τ on each prompt
+        ref, method = _noisy(rng, rounds, mu), _noisy(rng, rounds, true * mu)
+        est = paired_ratio(method, rounds, ref, rounds, samples=300, seed=i)
+        hits += est.low <= true <= est.high
+        widths.append(est.high - est.low)
+    assert 0.85 <= hits / n <= 1.0
+    assert 0.01 < np.mean(widths) < 0.2
+
+
+# ---- config -------------------------------------------------------------------------------------------------------
+
+
+def test_bench_config_loads_and_names_bad_keys():
+    cfg = load_bench_config(QUICK, ["eval.limit=5", "seeds=[3]", "methods.extra.recipe=tiny/eagle3.yaml"])
+    assert cfg.eval.limit == 5 and list(cfg.seeds) == [3] and set(cfg.methods) == {"eagle3", "vat", "extra"}
+    for override, message in [
+        ("eval.limt=3", "did you mean `eval.limit`"),
+        ("methods.vat.recipee=x", "did you mean `methods.vat.recipe`"),
+        ("reference=eagle", "did you mean `eagle3`"),
+        ("baselines=[ngramm]", "did you mean `ngram`"),
+        ("eval.limit=abc", "expected int"),
+        ("seeds=[]", "at least one seed"),
+        ("bootstrap.confidence=1.5", "between 0 and 1"),
+    ]:
+        with pytest.raises(VatError, match=message):
+            load_bench_config(QUICK, [override])
+
+
+def test_bench_cells_share_data_and_steps(tmp_path):
+    from vat.bench.cells import check_same_training, plan_cells
+
+    cfg = load_bench_config(QUICK)
+    cells = plan_cells(cfg, str(tmp_path))
+    assert [c.name for c in cells] == ["eagle3 seed 0", "vat seed 0", "ngram", "none", "eagle3 seed 1", "vat seed 1"]
+    trained = [c for c in cells if c.trained]
+    assert {c.train_cfg.train.max_steps for c in trained} == {8}
+    assert all(c.train_cfg.train.save_every == 4 and c.train_cfg.train.keep_last == 0 for c in trained)
+    assert check_same_training(cells) == []
+    with pytest.raises(VatError, match="past"):
+        plan_cells(load_bench_config(QUICK, ["curve.steps=[9]"]), str(tmp_path))
+
+
+# ---- end to end ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, two processes each spinning two OpenMP threads made the tiny
+    model's small matmuls ~20x slower (an eval of 98 s instead of 4 s); one thread keeps this test near a minute."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
+    from vat.bench.cells import plan_cells
+    from vat.cli import main as vat_main
+    from vat.trainer import main as train_main
+
+    out = tmp_path / "bench"
+    # a cell whose training was killed after its step-4 checkpoint: the bench resumes it rather than restarting
+    killed = plan_cells(load_bench_config(QUICK, [f"output_dir={out}"]), str(out))[0]
+    killed.train_cfg.train.stop_after = 4
+    killed.train_cfg.logging.progress = False
+    train_main(killed.train_cfg)
+    assert not (out / "cells" / "eagle3" / "seed0" / "train" / "final").exists()
+
+    assert vat_main(["bench", QUICK, f"output_dir={out}"]) == 0
+    first = capsys.readouterr().out
+    summary = json.loads((out / "bench.json").read_text())
+    assert summary["progress"] == {"cells_done": 6, "cells_total": 6, "complete": True}
+    assert summary["benchmarks"] == ["spec_bench", "humaneval"]
+    for label in ("eagle3", "vat", "ngram", "none"):
+        for bench in summary["benchmarks"]:
+            stats = summary["results"][label]["none"][bench]
+            tau = stats["tau"]
+            assert 1.0 <= tau["low"] <= tau["value"] <= tau["high"], (label, bench, tau)
+            ratio = stats["ratio"]
+            assert ratio["low"] <= ratio["value"] <= ratio["high"], (label, bench, ratio)
+            assert stats["n_prompts"] == 3
+            if label in ("eagle3", "vat"):
+                assert stats["seeds"] == [0, 1] and set(stats["per_seed"]) == {"0", "1"}
+    assert summary["results"]["eagle3"]["none"]["spec_bench"]["ratio"]["reference"] is True
+    assert summary["results"]["none"]["none"]["spec_bench"]["tau"]["value"] == pytest.approx(1.0)
+    assert summary["train"]["vat"]["drafts"] == 2 and summary["train"]["vat"]["minutes_per_draft"] > 0
+    resumed = summary["cells"]["eagle3"]["seed0"]["train"]
+    assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 8
+    assert [p["step"] for p in summary["curve"]["eagle3"]] == [4]
+    assert summary["curve"]["eagle3"][0]["tokens"] > 0
+    report = (out / "bench.md").read_text()
+    assert "| method | τ [95 % CI] | ratio to eagle3 [95 % CI] | seeds | train min/draft |" in report
+    assert "## τ against training tokens" in report
+    for png in ("tau_by_benchmark.png", "tau_vs_tokens.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert first.count("[vat bench ") == 6 and "about" in first and "min left" in first
+    # checkpoints the curve does not read are pruned once a draft is final
+    assert sorted(os.listdir(out / "cells" / "vat" / "seed1" / "train" / "checkpoints")) == ["step_4"]
+
+    start = time.time()
+    assert vat_main(["bench", QUICK, f"output_dir={out}"]) == 0
+    rerun = capsys.readouterr().out
+    assert rerun.count("finished earlier, skipped") == 6
+    assert time.time() - start < 30
+    assert json.loads((out / "bench.json").read_text())["results"] == summary["results"]

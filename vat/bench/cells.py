@@ -1,0 +1,361 @@
+"""The cells of a bench and how each one is trained and evaluated, resumably.
+
+A trained cell is (method, seed): ``cells/<method>/seed<k>/train/`` (a `vat train` run directory) and
+``.../eval/eval.json``, plus ``.../curve/step_<N>/eval.json`` for each curve step. A baseline cell (``ngram``,
+``none``) is ``cells/<baseline>/eval/eval.json``: training-free drafts do not depend on a seed.
+
+Every stage is reused when its recorded settings match: the draft when ``final/config.yaml`` is the resolved
+training config, an evaluation when its ``bench_settings.json`` is the one it would be run with. A killed training
+resumes from its newest checkpoint (``resume=auto``). ``cell.json`` is written last, so a cell with a matching
+``cell.json`` is finished and is skipped whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vat.errors import VatError
+
+CELL_FILE = "cell.json"
+SETTINGS_FILE = "bench_settings.json"
+
+
+@dataclass
+class Cell:
+    """One unit of work: a method trained with one seed and evaluated, or a training-free baseline evaluated once.
+
+    Attributes:
+        method: method or baseline label.
+        seed: the training seed; None for a baseline.
+        directory: ``output_dir/cells/<method>/seed<k>`` or ``output_dir/cells/<baseline>``.
+        train_cfg: the resolved training config (None for a baseline).
+    """
+
+    method: str
+    seed: int | None
+    directory: str
+    train_cfg: Any = None
+
+    @property
+    def trained(self) -> bool:
+        return self.seed is not None
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} seed {self.seed}" if self.trained else self.method
+
+
+# ---- planning -------------------------------------------------------------------------------------------------------
+
+
+def resolve_recipe(name: str) -> str:
+    """A recipe path as given when it exists, else the packaged recipe it names (``tiny/eagle3.yaml``)."""
+    try:
+        from vat.paths import resolve_recipe as packaged
+    except ImportError:  # an older vat without packaged recipes: the repository's recipes/ beside the sources
+        def packaged(path: str) -> str:
+            repo = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes")
+            rel = path[len("recipes/"):] if path.startswith("recipes/") else path
+            return path if os.path.exists(path) else os.path.join(repo, rel)
+    path = packaged(name)
+    if not os.path.isfile(path):
+        raise VatError(f"recipe not found: {name} (looked at it as given and among vat's recipes)")
+    return path
+
+
+def train_config(bench: Any, label: str, seed: int, directory: str) -> Any:
+    """The resolved training config of one cell.
+
+    Overrides, later wins: the bench's ``train_overrides`` (shared), the method's own, then what the bench needs:
+    the seed, the cell's output directory, ``resume=auto`` (a killed cell continues), one metrics line per step
+    (training tokens are summed from them) and, with a curve, a checkpoint at every curve step, all kept.
+    """
+    from vat.config import load_config
+
+    method = bench.methods[label]
+    forced = [f"seed={seed}", f"output_dir={os.path.join(directory, 'train')}", "resume=auto", "train.log_every=1"]
+    cfg = load_config(resolve_recipe(method.recipe), [*bench.train_overrides, *method.overrides, *forced])
+    steps = sorted(set(bench.curve.steps))
+    if steps:
+        total = cfg.train.max_steps
+        if total is None:
+            raise VatError(f"method {label}: curve.steps needs train.max_steps (set it in train_overrides)")
+        if steps[-1] > total:
+            raise VatError(f"curve step {steps[-1]} is past method {label}'s train.max_steps {total}")
+        inner = [s for s in steps if s < total]  # the last step is final/, not a checkpoint
+        if inner:
+            cfg.train.save_every = math.gcd(*inner)
+        cfg.train.keep_last = 0
+    return cfg
+
+
+def plan_cells(bench: Any, out: str) -> list[Cell]:
+    """Every cell in run order: seed by seed (all methods), the baselines right after the first seed.
+
+    That order makes a partial bench useful early: after the first seed's cells, every method and baseline has a
+    figure on the same prompts.
+
+    Raises:
+        VatError: the methods train against different targets (their ratios would mean nothing).
+    """
+    cells: list[Cell] = []
+    for i, seed in enumerate(bench.seeds):
+        for label in bench.methods:
+            directory = os.path.join(out, "cells", label, f"seed{seed}")
+            cells.append(Cell(label, int(seed), directory, train_config(bench, label, int(seed), directory)))
+        if i == 0:
+            cells += [Cell(base, None, os.path.join(out, "cells", base)) for base in bench.baselines]
+    targets = {c.train_cfg.target.path for c in cells if c.trained}
+    if len(targets) > 1:
+        raise VatError(f"the bench's methods train for different targets {sorted(targets)}; set target.path in "
+                       "train_overrides")
+    return cells
+
+
+def check_same_training(cells: list[Cell]) -> list[str]:
+    """Warnings for methods whose data or step count differ at the same seed (the bench compares like with like)."""
+    warnings, first = [], {}
+    for cell in (c for c in cells if c.trained):
+        cfg = cell.train_cfg
+        key = (cfg.data.train, cfg.data.max_length, cfg.data.tokens_per_batch, cfg.data.limit, cfg.train.max_steps)
+        ref = first.setdefault(cell.seed, (cell.method, key))
+        if ref[1] != key:
+            warnings.append(f"{cell.name} trains on data/steps {key}, {ref[0]} on {ref[1]}: not the same training")
+    return warnings
+
+
+# ---- fingerprints ------------------------------------------------------------------------------------------------
+
+
+def config_identity(cfg: Any) -> str | None:
+    """A training config as YAML without what does not change the draft, or None.
+
+    Left out: ``logging`` (trackers, progress bars) and ``train.stop_after`` (where a process stops, not what it
+    computes: a run stopped there resumes to the same numbers, DESIGN §10).
+
+    Args:
+        cfg: a config object, or the path of a saved ``config.yaml``.
+    """
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, str):
+        if not os.path.exists(cfg):
+            return None
+        try:
+            cfg = OmegaConf.load(cfg)
+        except Exception:  # a torn file: not the same config
+            return None
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data.pop("logging", None)
+    data.get("train", {}).pop("stop_after", None)
+    return OmegaConf.to_yaml(OmegaConf.create(data))
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: str, data: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)  # a kill never leaves half a file that looks finished
+
+
+def eval_settings(bench: Any, *, curve: bool = False) -> dict:
+    """What an evaluation depends on besides the draft (a curve point: the curve's subset and the first budget)."""
+    ev = bench.eval
+    return {
+        "benchmarks": list(ev.benchmarks), "limit": bench.curve.limit if curve else ev.limit,
+        "max_new_tokens": ev.max_new_tokens, "steps": ev.steps, "temperature": ev.temperature,
+        "budgets": [ev.budgets[0]] if curve else list(ev.budgets),
+    }
+
+
+def cell_fingerprint(bench: Any, cell: Cell, target: str) -> str:
+    """Everything a finished cell's figures depend on, hashed: a change means the cell runs again."""
+    parts = {"target": target, "eval": eval_settings(bench)}
+    if cell.trained:
+        parts["train"] = _sha(config_identity(cell.train_cfg))
+        parts["curve"] = {"steps": sorted(set(bench.curve.steps)), **eval_settings(bench, curve=True)}
+    return _sha(json.dumps(parts, sort_keys=True))
+
+
+def finished(cell: Cell, fingerprint: str) -> dict | None:
+    """The cell's record when it finished with these settings, else None."""
+    record = _read_json(os.path.join(cell.directory, CELL_FILE))
+    if record and record.get("fingerprint") == fingerprint and os.path.exists(eval_path(cell)):
+        return record
+    return None
+
+
+def eval_path(cell: Cell) -> str:
+    return os.path.join(cell.directory, "eval", "eval.json")
+
+
+# ---- stages -------------------------------------------------------------------------------------------------------
+
+
+def train_stage(cfg: Any) -> dict:
+    """Train (or reuse, or resume) one draft; returns its figures.
+
+    Returns:
+        ``final`` (the draft dir), ``seconds`` (training wall time, steps run before a kill included), ``steps``,
+        ``tokens`` (training tokens), ``final_tau_sim``, ``resumed_from_step``, ``reused``.
+    """
+    from vat.checkpointing import list_checkpoints
+    from vat.trainer import main as train_main
+
+    run_dir = cfg.output_dir
+    final = os.path.join(run_dir, "final")
+    wanted = config_identity(cfg)
+    reused = config_identity(os.path.join(final, "config.yaml")) == wanted
+    wall, resumed = 0.0, 0
+    if not reused:
+        if config_identity(os.path.join(run_dir, "config.yaml")) not in (None, wanted):
+            shutil.rmtree(run_dir)  # another config's checkpoints must not be resumed
+        found = list_checkpoints(run_dir)
+        resumed = found[-1][0] if found else 0
+        start = time.time()
+        train_main(cfg)
+        wall = time.time() - start
+        if not os.path.exists(os.path.join(final, "config.yaml")):
+            raise VatError(f"training in {run_dir} stopped before writing final/ (train.stop_after?); rerun the "
+                           "bench without it to continue from the last checkpoint")
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    previous = _read_json(os.path.join(run_dir, "bench_train.json")) or {}
+    if reused:
+        seconds = float(previous.get("seconds", 0.0))
+    else:
+        # a resumed run's earlier steps ran in a killed process: their step times come from the metrics log
+        seconds = wall + sum(r["tokens"] / r["tokens_per_s"] for r in records
+                             if r["step"] <= resumed and r.get("tokens_per_s"))
+        _write_json(os.path.join(run_dir, "bench_train.json"), {"seconds": seconds, "resumed_from_step": resumed})
+    last = records[-1] if records else {}
+    return {"final": final, "seconds": seconds, "steps": int(last.get("step", 0)),
+            "tokens": sum(r.get("tokens", 0.0) for r in records), "final_tau_sim": last.get("tau_sim"),
+            "resumed_from_step": previous.get("resumed_from_step", resumed) if reused else resumed, "reused": reused}
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The training's metrics.jsonl records (one per step), in step order."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["step"])
+
+
+def tokens_until(records: list[dict], step: int) -> float:
+    """Training tokens seen up to and including ``step``."""
+    return float(sum(r.get("tokens", 0.0) for r in records if r["step"] <= step))
+
+
+def prune_checkpoints(run_dir: str, keep_steps: list[int]) -> None:
+    """Drop the checkpoints no curve point reads, once the draft is final (they exist only for resuming)."""
+    from vat.checkpointing import list_checkpoints
+
+    if not os.path.exists(os.path.join(run_dir, "final")):
+        return
+    for step, path in list_checkpoints(run_dir):
+        if step not in keep_steps:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def eval_stage(directory: str, drafts: list, target: str, settings: dict, identity: dict, progress: bool) -> dict:
+    """Evaluate drafts with the real engine into ``directory`` (reused when its recorded settings match).
+
+    Args:
+        directory: the evaluation's output directory.
+        drafts: ``run_eval`` draft specs: ``(label, path)`` pairs or training-free names (``ngram``, ``none``).
+        target: the target directory.
+        settings: :func:`eval_settings`.
+        identity: what identifies the drafts (their training configs' hashes), recorded with the settings.
+        progress: show the engine's progress bars.
+
+    Returns:
+        The eval.json dict, with ``bench_seconds`` (0 when reused) and ``bench_reused``.
+    """
+    from vat.eval.run import run_eval
+
+    recorded = {"target": target, **settings, **identity}
+    path = os.path.join(directory, "eval.json")
+    result = _read_json(path)
+    if result and "per_prompt" in result and _read_json(os.path.join(directory, SETTINGS_FILE)) == recorded:
+        return {**result, "bench_seconds": 0.0, "bench_reused": True}
+    start = time.time()
+    result = run_eval(target=target, drafts=drafts, benchmarks=list(settings["benchmarks"]), steps=settings["steps"],
+                      temperature=settings["temperature"], budgets=list(settings["budgets"]),
+                      max_new_tokens=settings["max_new_tokens"], limit=settings["limit"], output=directory,
+                      progress=progress, plots=False)
+    _write_json(os.path.join(directory, SETTINGS_FILE), recorded)
+    return {**result, "bench_seconds": time.time() - start, "bench_reused": False}
+
+
+# ---- one cell -----------------------------------------------------------------------------------------------------
+
+
+def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bool) -> dict:
+    """Train (if a method) and evaluate one cell, then write its ``cell.json``; returns that record."""
+    os.makedirs(cell.directory, exist_ok=True)
+    record: dict[str, Any] = {"method": cell.method, "seed": cell.seed, "fingerprint": fingerprint}
+    if not cell.trained:
+        result = eval_stage(os.path.join(cell.directory, "eval"), [cell.method], target, eval_settings(bench),
+                            {"drafts": [cell.method]}, progress)
+        record["eval"] = _eval_summary(result, cell.method, bench)
+    else:
+        train = train_stage(cell.train_cfg)
+        record["train"] = {k: v for k, v in train.items() if k != "final"}
+        identity = {"drafts": [cell.method], "train": _sha(config_identity(cell.train_cfg))}
+        result = eval_stage(os.path.join(cell.directory, "eval"), [(cell.method, train["final"])], target,
+                            eval_settings(bench), identity, progress)
+        record["eval"] = _eval_summary(result, cell.method, bench)
+        record["curve"] = _curve(bench, cell, train, target, identity, progress)
+        prune_checkpoints(cell.train_cfg.output_dir, sorted(set(bench.curve.steps)))
+    record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    _write_json(os.path.join(cell.directory, CELL_FILE), record)
+    return record
+
+
+def _eval_summary(result: dict, label: str, bench: Any) -> dict:
+    """The figures a progress line and ``cell.json`` show: seconds and τ per benchmark under the first budget."""
+    budget = "none" if bench.eval.budgets[0] is None else str(bench.eval.budgets[0])
+    per_bench = result.get("results", {}).get(label, {}).get(budget, {})
+    return {"seconds": result["bench_seconds"], "reused": result["bench_reused"],
+            "tau": {name: m.get("tau") for name, m in per_bench.items()}}
+
+
+def _curve(bench: Any, cell: Cell, train: dict, target: str, identity: dict, progress: bool) -> list[dict]:
+    """τ of the checkpoints at the curve steps, on the curve's prompt subset (pooled over benchmarks)."""
+    points = []
+    records = read_metrics(os.path.join(cell.train_cfg.output_dir, "metrics.jsonl"))
+    budget = "none" if bench.eval.budgets[0] is None else str(bench.eval.budgets[0])
+    for step in sorted(set(bench.curve.steps)):
+        draft = train["final"] if step == cell.train_cfg.train.max_steps else os.path.join(
+            cell.train_cfg.output_dir, "checkpoints", f"step_{step}")
+        directory = os.path.join(cell.directory, "curve", f"step_{step}")
+        if not os.path.isdir(draft) and not os.path.exists(os.path.join(directory, "eval.json")):
+            raise VatError(f"{cell.name}: checkpoint {draft} for curve step {step} is missing; delete "
+                           f"{cell.train_cfg.output_dir} to retrain the cell")
+        result = eval_stage(directory, [(cell.method, draft)], target, eval_settings(bench, curve=True),
+                            {**identity, "step": step}, progress)
+        pooled = result.get("pooled", {}).get(cell.method, {}).get(budget, {})
+        per_bench = result.get("results", {}).get(cell.method, {}).get(budget, {})
+        points.append({"step": step, "tokens": tokens_until(records, step), "tau": pooled.get("tau"),
+                       "tau_per_benchmark": {name: m.get("tau") for name, m in per_bench.items()},
+                       "seconds": result["bench_seconds"]})
+    return points

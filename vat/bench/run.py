@@ -1,0 +1,153 @@
+"""`vat bench CONFIG [key=value ...]`: seeds x methods trained on the same data, order and steps, every cell evaluated
+with the real engine, τ per benchmark with bootstrap intervals and paired ratios to the reference (DESIGN §11).
+
+``main(args)`` is setup -> run -> write; :func:`run_bench` takes a loaded :class:`vat.config.BenchConfig`. After
+every cell, bench.json, bench.md and the PNGs are rebuilt from the cells finished so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from vat.bench.cells import Cell, cell_fingerprint, check_same_training, finished, plan_cells, resolve_recipe, run_cell
+
+
+class Eta:
+    """Estimates the time left from the cells that did real work, one mean per kind (trained, baseline).
+
+    A baseline cell is one evaluation, so before one has run it is estimated by the trained cells' evaluation time.
+    """
+
+    def __init__(self, cells: list[Cell]):
+        self.start = time.time()
+        self.left = {"trained": sum(c.trained for c in cells), "baseline": sum(not c.trained for c in cells)}
+        self.seconds: dict[str, list[float]] = {"trained": [], "baseline": [], "eval": []}
+
+    def done(self, cell: Cell, seconds: float | None, eval_seconds: float | None = None) -> None:
+        kind = "trained" if cell.trained else "baseline"
+        self.left[kind] -= 1
+        if seconds is not None:
+            self.seconds[kind].append(seconds)
+            if eval_seconds is not None:
+                self.seconds["eval"].append(eval_seconds)
+
+    def text(self) -> str:
+        elapsed = (time.time() - self.start) / 60
+        per = {k: sum(v) / len(v) for k, v in self.seconds.items() if v}
+        baseline = per.get("baseline", per.get("eval"))
+        if (self.left["trained"] and "trained" not in per) or (self.left["baseline"] and baseline is None):
+            return f"{elapsed:.1f} min elapsed"
+        left = self.left["trained"] * per.get("trained", 0.0) + self.left["baseline"] * (baseline or 0.0)
+        return f"{elapsed:.1f} min elapsed, about {left / 60:.1f} min left"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def _cell_line(cell: Cell, record: dict) -> str:
+    parts = []
+    train = record.get("train")
+    if train:
+        verb = "reused draft" if train["reused"] else f"trained {train['steps']} steps"
+        tau_sim = "" if train["final_tau_sim"] is None else f", τ_sim {train['final_tau_sim']:.3f}"
+        parts.append(f"{verb} ({train['tokens'] / 1e3:.1f}k tokens, {_duration(train['seconds'])}{tau_sim})")
+    ev = record["eval"]
+    taus = ", ".join(f"{b} {t:.3f}" for b, t in ev["tau"].items() if t is not None)
+    parts.append(f"τ {taus}" + ("" if ev["reused"] else f" (eval {_duration(ev['seconds'])})"))
+    if record.get("curve"):
+        parts.append("curve " + ", ".join(f"step {p['step']} τ {p['tau']:.3f}" for p in record["curve"]
+                                          if p["tau"] is not None))
+    return "; ".join(parts)
+
+
+def _settings(bench: Any, cells: list[Cell]) -> dict:
+    """The bench config as recorded in bench.json, with each method's recipe path and resolved training essentials."""
+    from omegaconf import OmegaConf
+
+    settings = OmegaConf.to_container(bench, resolve=True)
+    first = {c.method: c.train_cfg for c in cells if c.trained}
+    for label, cfg in first.items():
+        settings["methods"][label].update({
+            "recipe_path": resolve_recipe(bench.methods[label].recipe), "method": cfg.method,
+            "max_steps": cfg.train.max_steps, "data": cfg.data.train, "tokens_per_batch": cfg.data.tokens_per_batch,
+        })
+    return settings
+
+
+def write_outputs(bench: Any, cells: list[Cell], fingerprints: list[str], target: str, out: str) -> list[str]:
+    """Rebuild bench.json, bench.md and the PNGs from every finished cell; returns the paths written."""
+    from vat.bench.plots import write_plots
+    from vat.bench.summary import build_summary, write_summary
+
+    summary = build_summary(bench, cells, fingerprints, target, _settings(bench, cells))
+    return write_summary(summary, out) + write_plots(summary, out)
+
+
+def run_bench(bench: Any, progress: bool | None = None) -> dict:
+    """Run every cell not finished yet, rebuilding the outputs after each; returns the bench.json dict.
+
+    Args:
+        bench: a :class:`vat.config.BenchConfig`.
+        progress: show the trainer's and the engine's progress bars (default: when stderr is a terminal).
+    """
+    import json
+
+    from omegaconf import OmegaConf
+
+    from vat.paths import resolve_target_path
+
+    progress = sys.stderr.isatty() if progress is None else progress
+    out = os.path.abspath(bench.output_dir)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_config.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(bench))
+    cells = plan_cells(bench, out)
+    for warning in check_same_training(cells):
+        print(f"[vat bench] warning: {warning}", flush=True)
+    trained = [c for c in cells if c.trained]
+    target = resolve_target_path(trained[0].train_cfg.target.path)
+    for cell in trained:
+        cell.train_cfg.logging.progress = bool(progress and cell.train_cfg.logging.progress)
+    print(f"[vat bench] {bench.name}: {len(bench.methods)} methods x {len(bench.seeds)} seeds + "
+          f"{len(bench.baselines)} baselines = {len(cells)} cells -> {out}", flush=True)
+    fingerprints = [cell_fingerprint(bench, cell, target) for cell in cells]
+    eta = Eta(cells)
+    for i, (cell, fingerprint) in enumerate(zip(cells, fingerprints), 1):
+        head = f"[vat bench {i}/{len(cells)}] {cell.name}"
+        if finished(cell, fingerprint) is not None:
+            eta.done(cell, None)
+            print(f"{head}: finished earlier, skipped | {eta.text()}", flush=True)
+            continue
+        start = time.time()
+        record = run_cell(bench, cell, target, fingerprint, progress)
+        worked = not (record.get("train", {}).get("reused", True) and record["eval"]["reused"])
+        eta.done(cell, time.time() - start if worked else None, record["eval"]["seconds"] or None)
+        write_outputs(bench, cells, fingerprints, target, out)
+        print(f"{head}: {_cell_line(cell, record)} | {eta.text()}", flush=True)
+    paths = write_outputs(bench, cells, fingerprints, target, out)
+    print(f"[vat bench] done: {', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
+    with open(os.path.join(out, "bench.json")) as f:
+        return json.load(f)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `vat bench`."""
+    from vat.config import load_bench_config
+
+    run_bench(load_bench_config(resolve_config(args.config), args.overrides))
+    return 0
+
+
+def resolve_config(path: str) -> str:
+    """The bench config as given when it exists, else the packaged one it names (``bench/tiny.yaml``)."""
+    if os.path.exists(path):
+        return path
+    try:
+        return resolve_recipe(path)
+    except Exception:
+        return path  # load_bench_config names what the user typed

@@ -1,0 +1,285 @@
+"""bench.json and bench.md from the cells finished so far (rebuilt after every cell, so a partial bench reads).
+
+Per method (and baseline) x budget x benchmark: τ pooled over seeds and prompts with a bootstrap interval, τ of each
+seed, and the ratio to the reference method with a paired bootstrap interval (:mod:`vat.bench.stats`). Per method:
+training wall minutes and tokens per draft, and the curve of τ against training tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from vat.bench.cells import Cell, eval_path, finished
+from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau
+from vat.errors import VatError
+
+BENCH_FORMAT_VERSION = 1
+NO_BUDGET = "none"
+
+
+def _budget_label(budget: int | None) -> str:
+    return NO_BUDGET if budget is None else str(budget)
+
+
+def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
+    """Counts of the given (finished) cells, stacked by seed: ``(label, budget, benchmark) -> {seeds, ids,
+    committed, rounds}`` with ``committed`` and ``rounds`` of shape (S, P) (S = 1 and seed None for a baseline).
+
+    Raises:
+        VatError: an eval.json without ``per_prompt`` counts, or cells whose prompts differ (they must pair).
+    """
+    rows: dict[tuple[str, str, str], dict] = {}
+    for cell in cells:
+        with open(eval_path(cell)) as f:
+            result = json.load(f)
+        if "per_prompt" not in result:
+            raise VatError(f"{eval_path(cell)} has no per_prompt counts (an older vat eval); delete it to rerun")
+        for label, per_budget in result["per_prompt"].items():
+            if label != cell.method:
+                continue  # the AR pass every evaluation runs; the `none` baseline cell carries it once
+            for budget, per_bench in per_budget.items():
+                for bench, prompts in per_bench.items():
+                    entry = rows.setdefault((label, budget, bench), {"seeds": [], "ids": None, "committed": [],
+                                                                     "rounds": []})
+                    ids = [p["question_id"] for p in prompts]
+                    if entry["ids"] is not None and ids != entry["ids"]:
+                        raise VatError(f"{cell.name}: the prompts of {bench} differ from the other seeds' (eval "
+                                       "settings changed between cells?); delete its eval/ to rerun")
+                    entry["ids"] = ids
+                    entry["seeds"].append(cell.seed)
+                    entry["committed"].append([p["committed"] for p in prompts])
+                    entry["rounds"].append([p["rounds"] for p in prompts])
+    for entry in rows.values():
+        entry["committed"] = np.asarray(entry["committed"], dtype=np.float64)  # (S, P)
+        entry["rounds"] = np.asarray(entry["rounds"], dtype=np.float64)  # (S, P)
+    return rows
+
+
+def _rows(entry: dict, seeds: list) -> tuple[np.ndarray, np.ndarray]:
+    index = [entry["seeds"].index(s) for s in seeds]
+    return entry["committed"][index], entry["rounds"][index]
+
+
+def method_statistics(rows: dict, labels: list[str], reference: str, budgets: list[str], boot: Any) -> dict:
+    """τ with an interval, τ per seed and the paired ratio to the reference, per label x budget x benchmark.
+
+    The ratio of a trained method uses the seeds both it and the reference have finished (paired by seed); a
+    baseline's pairs over prompts with all the reference's seeds. The reference at the same budget is used when it
+    was evaluated there, else at natural routing.
+    """
+    kw = {"samples": int(boot.samples), "seed": int(boot.seed), "confidence": float(boot.confidence)}
+    out: dict[str, dict] = {}
+    for (label, budget, bench), entry in rows.items():
+        if label not in labels:
+            continue
+        tau = bootstrap_tau(entry["committed"], entry["rounds"], **kw)
+        stats = {
+            "tau": tau.to_dict(),
+            "seeds": [s for s in entry["seeds"] if s is not None],
+            "per_seed": {str(s): t for s, t in zip(entry["seeds"], per_seed_tau(entry["committed"], entry["rounds"]))
+                         if s is not None},
+            "n_prompts": len(entry["ids"]),
+            "ratio": None,
+        }
+        ref = rows.get((reference, budget, bench)) or rows.get((reference, NO_BUDGET, bench))
+        if ref is not None and ref["ids"] == entry["ids"]:
+            if ref is entry:
+                stats["ratio"] = {"value": 1.0, "low": 1.0, "high": 1.0, "seeds": stats["seeds"], "reference": True}
+            else:
+                if entry["seeds"] == [None]:
+                    common = list(ref["seeds"])
+                    mine = (entry["committed"], entry["rounds"])
+                else:
+                    common = [s for s in entry["seeds"] if s in ref["seeds"]]
+                    mine = _rows(entry, common)
+                if common:
+                    ratio = paired_ratio(*mine, *_rows(ref, common), **kw)
+                    stats["ratio"] = {**ratio.to_dict(), "seeds": common}
+        out.setdefault(label, {}).setdefault(budget, {})[bench] = stats
+    return out
+
+
+def train_statistics(records: dict[str, list[dict]]) -> dict:
+    """Per method: mean training wall minutes, tokens and final τ_sim per draft, over its finished seeds."""
+    out = {}
+    for label, cells in records.items():
+        trains = [c["train"] for c in cells if c.get("train")]
+        if not trains:
+            continue
+        out[label] = {
+            "drafts": len(trains),
+            "minutes_per_draft": float(np.mean([t["seconds"] for t in trains])) / 60.0,
+            "tokens_per_draft": float(np.mean([t["tokens"] for t in trains])),
+            "steps": trains[0]["steps"],
+            "final_tau_sim": _mean([t.get("final_tau_sim") for t in trains]),
+        }
+    return out
+
+
+def curve_statistics(records: dict[str, list[dict]]) -> dict:
+    """Per method and curve step: τ mean over seeds with the min/max spread, training tokens (mean over seeds)."""
+    out = {}
+    for label, cells in records.items():
+        by_step: dict[int, list[tuple[Any, dict]]] = {}
+        for cell in cells:
+            for point in cell.get("curve") or []:
+                by_step.setdefault(point["step"], []).append((cell["seed"], point))
+        points = []
+        for step in sorted(by_step):
+            taus = [p["tau"] for _, p in by_step[step] if p["tau"] is not None]
+            points.append({
+                "step": step,
+                "tokens": float(np.mean([p["tokens"] for _, p in by_step[step]])),
+                "tau_mean": _mean(taus),
+                "tau_min": min(taus) if taus else None,
+                "tau_max": max(taus) if taus else None,
+                "per_seed": {str(seed): p["tau"] for seed, p in by_step[step]},
+            })
+        if points:
+            out[label] = points
+    return out
+
+
+def _mean(values: list) -> float | None:
+    kept = [float(v) for v in values if v is not None]
+    return float(np.mean(kept)) if kept else None
+
+
+def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target: str, settings: dict) -> dict:
+    """The bench.json dict from every cell finished with its current settings.
+
+    Args:
+        bench: the bench config.
+        cells: every cell of the bench.
+        fingerprints: each cell's current settings fingerprint; a ``cell.json`` recorded under other settings (a
+            config changed, the cell not rerun yet) is left out rather than mixed in.
+        target: the target directory.
+        settings: what bench.json records as ``settings``.
+    """
+    records: dict[str, list[dict]] = {}
+    done_cells = []
+    for cell, fingerprint in zip(cells, fingerprints):
+        record = finished(cell, fingerprint)
+        if record is not None:
+            records.setdefault(cell.method, []).append(record)
+            done_cells.append(cell)
+    done = len(done_cells)
+    labels = [*bench.methods, *bench.baselines]
+    budgets = [_budget_label(b) for b in bench.eval.budgets]
+    rows = per_prompt_table(done_cells)
+    return {
+        "vat_bench_version": BENCH_FORMAT_VERSION,
+        "name": bench.name,
+        "target": target,
+        "reference": bench.reference,
+        "methods": list(bench.methods),
+        "baselines": list(bench.baselines),
+        "seeds": list(bench.seeds),
+        "benchmarks": sorted({bench_name for (_, _, bench_name) in rows}, key=_bench_order(bench)),
+        "budgets": budgets,
+        "progress": {"cells_done": done, "cells_total": len(cells), "complete": done == len(cells)},
+        "interval": {"kind": "percentile bootstrap", "resampled": "seeds and prompts (crossed); paired for ratios",
+                     "samples": int(bench.bootstrap.samples), "confidence": float(bench.bootstrap.confidence)},
+        "settings": settings,
+        "results": method_statistics(rows, labels, bench.reference, budgets, bench.bootstrap),
+        "train": train_statistics(records),
+        "curve": curve_statistics(records),
+        "cells": {label: {("baseline" if r["seed"] is None else f"seed{r['seed']}"): r for r in rs}
+                  for label, rs in records.items()},
+    }
+
+
+def _bench_order(bench: Any):
+    """Benchmarks in the config's order (a name with a category filter sorts after its base)."""
+    names = [str(b) for b in bench.eval.benchmarks]
+
+    def key(name: str):
+        for i, spec in enumerate(names):
+            if name == spec or name.split(":")[0] == spec.split(":")[0]:
+                return (i, name)
+        return (len(names), name)
+
+    return key
+
+
+# ---- markdown -----------------------------------------------------------------------------------------------------
+
+
+def _fmt(est: dict | None, digits: int = 3) -> str:
+    if not est or est.get("value") is None:
+        return "–"
+    return f"{est['value']:.{digits}f} [{est['low']:.{digits}f}, {est['high']:.{digits}f}]"
+
+
+def markdown(summary: dict) -> str:
+    """bench.md: one table per benchmark (and budget), then the curve table."""
+    ref = summary["reference"]
+    progress = summary["progress"]
+    conf = round(100 * summary["interval"]["confidence"])
+    ev = summary["settings"]["eval"]
+    lines = [f"# vat bench: {summary['name']}", ""]
+    if not progress["complete"]:
+        lines += [f"**Partial: {progress['cells_done']} of {progress['cells_total']} cells finished.**", ""]
+    lines += [
+        f"Target `{summary['target']}`; seeds {', '.join(map(str, summary['seeds']))}; "
+        f"{ev['limit'] or 'all'} prompts per benchmark, {ev['max_new_tokens']} new tokens per turn, K = {ev['steps']}, "
+        f"temperature {ev['temperature']}.",
+        f"τ = tokens committed per verification round, pooled over prompts and seeds. Intervals: {conf} % "
+        f"{summary['interval']['kind']} ({summary['interval']['samples']} replicates) resampling "
+        f"{summary['interval']['resampled']}. Ratios are τ / τ of `{ref}` at the same budget.",
+        "",
+    ]
+    labels = summary["methods"] + summary["baselines"]
+    train = summary["train"]
+    for budget in summary["budgets"]:
+        for bench in summary["benchmarks"]:
+            title = bench if budget == NO_BUDGET else f"{bench}, expert budget B = {budget}"
+            lines += [f"## {title}", "",
+                      f"| method | τ [{conf} % CI] | ratio to {ref} [{conf} % CI] | seeds | train min/draft |",
+                      "|---|---|---|---|---|"]
+            for label in labels:
+                stats = summary["results"].get(label, {}).get(budget, {}).get(bench)
+                if stats is None:
+                    continue
+                ratio = stats["ratio"]
+                shown = "1 (reference)" if ratio and ratio.get("reference") else _fmt(ratio)
+                seeds = str(len(stats["seeds"])) if stats["seeds"] else "–"
+                minutes = f"{train[label]['minutes_per_draft']:.2f}" if label in train else "–"
+                lines.append(f"| {label} | {_fmt(stats['tau'])} | {shown} | {seeds} | {minutes} |")
+            lines.append("")
+    if summary["curve"]:
+        lines += ["## τ against training tokens", "",
+                  "Checkpoints evaluated on the curve's prompt subset, τ pooled over benchmarks; mean over seeds and "
+                  "the range.", "",
+                  "| method | step | training tokens | τ mean | τ min–max | seeds |", "|---|---|---|---|---|---|"]
+        for label, points in summary["curve"].items():
+            for p in points:
+                spread = "–" if p["tau_min"] is None else f"{p['tau_min']:.3f}–{p['tau_max']:.3f}"
+                mean = "–" if p["tau_mean"] is None else f"{p['tau_mean']:.3f}"
+                lines.append(f"| {label} | {p['step']} | {p['tokens']:,.0f} | {mean} | {spread} | {len(p['per_seed'])} |")
+        lines.append("")
+    if train:
+        lines += ["## Training", "", "| method | drafts | steps | training tokens/draft | wall min/draft | final τ_sim |",
+                  "|---|---|---|---|---|---|"]
+        for label, t in train.items():
+            tau_sim = "–" if t["final_tau_sim"] is None else f"{t['final_tau_sim']:.3f}"
+            lines.append(f"| {label} | {t['drafts']} | {t['steps']} | {t['tokens_per_draft']:,.0f} | "
+                         f"{t['minutes_per_draft']:.2f} | {tau_sim} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_summary(summary: dict, out: str) -> list[str]:
+    """Write bench.json and bench.md atomically; returns their paths."""
+    paths = []
+    for name, text in (("bench.json", json.dumps(summary, indent=2)), ("bench.md", markdown(summary))):
+        path = os.path.join(out, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+        paths.append(path)
+    return paths
