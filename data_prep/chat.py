@@ -8,6 +8,10 @@ the mask (:mod:`vat.data_prep.templates`) -> over-length rows dropped -> ``save_
 Output columns: ``input_ids`` (list[int32]), ``loss_mask`` (list[int8]: 1 on assistant content tokens and the
 assistant end-of-turn token), ``length`` (int32), ``id`` (str). ``stats.json`` satisfies
 ``rows_read == rows_kept + sum(skipped.values())``.
+
+An assistant turn flagged ``"truncated": true`` (``vat prep regen`` writes it for a reply cut at its token budget)
+keeps its content in the loss but not its end-of-turn token, nor any template token the mask would continue with:
+the target never produced them (:func:`unsupervise_truncated_ends`).
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ def normalize_record(record: dict, fmt: str = "auto") -> tuple[list[dict] | None
     """Turn one raw row into ``[{"role": system|user|assistant, "content": str}]``.
 
     Leading assistant turns (ShareGPT rows that start mid-conversation) and trailing non-assistant turns (no loss
-    on them) are dropped and counted in the returned info; anything else wrong rejects the whole row.
+    on them) are dropped and counted in the returned info; anything else wrong rejects the whole row. An assistant
+    turn with ``"truncated": true`` keeps that key (its end-of-turn token gets no loss).
 
     Args:
         record: a raw row in ShareGPT, OpenAI ``messages`` or UltraChat layout.
@@ -117,6 +122,8 @@ def normalize_record(record: dict, fmt: str = "auto") -> tuple[list[dict] | None
             if content is None:
                 return None, "non_string_content", info
             messages.append({"role": role, "content": content})
+            if role == "assistant" and turn.get("truncated") is True:
+                messages[-1]["truncated"] = True  # cut at a token budget: no end-of-turn supervision
     if any(not m["content"].strip() for m in messages):
         return None, "empty_turn", info
     # Drop leading assistant turns after the optional system prompt: the first turn the model answers is a user's.
@@ -147,12 +154,56 @@ def load_hub_rows(name: str, split: str = "train", **load_kwargs):
         raise VatError(f"could not load dataset {name!r} (split {split!r}): {first}") from None
 
 
+def unsupervise_truncated_ends(tokenizer, conv: list[dict], enc, truncated: set[int]):
+    """Zero the loss mask after the content of each truncated assistant turn.
+
+    A turn cut at the generation budget ends without an end-of-turn token from the target, so the end-of-turn
+    token the template renders after it (and whatever template tokens the masked run continues with, e.g. a
+    ``{% generation %}`` span's tail) must not be trained on. The content is located with the render-difference
+    search (:func:`vat.data_prep.templates.assistant_char_spans`, any template); tokens from the first one starting
+    at or after the content's end are unmasked up to the end of that masked run.
+
+    Args:
+        tokenizer: the fast tokenizer ``enc`` was built with.
+        conv: ``[{"role", "content"}]`` as encoded.
+        enc: its :class:`~vat.data_prep.templates.Encoded`.
+        truncated: indices into ``conv`` of the truncated assistant turns.
+
+    Returns:
+        A new ``Encoded``, or ``"template_error"`` if the rendering cannot be matched to ``enc``'s tokens.
+    """
+    from vat.data_prep.templates import Encoded, assistant_char_spans
+
+    try:
+        text, spans = assistant_char_spans(tokenizer, conv)
+    except Exception:
+        return "template_error"
+    tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(tokens["input_ids"]) != list(enc.input_ids):  # the mask's tokens are not this rendering's
+        return "template_error"
+    offsets = tokens["offset_mapping"]
+    mask = list(enc.loss_mask)
+    located = [j for j, m in enumerate(conv) if m["role"] == "assistant" and m["content"].strip()]
+    for j, (_, end) in zip(located, spans):
+        if j not in truncated:
+            continue
+        k = next((k for k, (start, _) in enumerate(offsets) if start >= end), len(mask))
+        while k < len(mask) and mask[k]:
+            mask[k] = 0
+            k += 1
+    return Encoded(enc.input_ids, mask)
+
+
 def _tokenize_batch(batch: dict, tokenizer, method: str, max_length: int) -> dict:
     """``datasets.map`` function: messages -> input_ids, loss_mask, length, skip (reason or "")."""
     from vat.data_prep.templates import Encoded, encode_conversations
 
     convs = [[{"role": t["role"], "content": t["content"]} for t in m] for m in batch["messages"]]
     encoded = encode_conversations(tokenizer, convs, method)
+    for i, m in enumerate(batch["messages"]):
+        truncated = {j for j, t in enumerate(m) if t.get("truncated")}
+        if truncated and isinstance(encoded[i], Encoded):
+            encoded[i] = unsupervise_truncated_ends(tokenizer, convs[i], encoded[i], truncated)
     out = {"id": batch["id"], "input_ids": [], "loss_mask": [], "length": [], "skip": []}
     for enc in encoded:
         reason = ""
@@ -273,6 +324,7 @@ def prepare_chat(
                     skipped[reason] += 1
                 else:
                     row_id = record.get("id", record.get("question_id", record.get("prompt_id")))
+                    messages = [{**m, "truncated": bool(m.get("truncated"))} for m in messages]
                     yield {"id": str(row_id) if row_id is not None else f"row{index}", "messages": messages}
             if limit is not None and seen["rows"] + read.malformed_json + read.non_object >= limit:
                 break
@@ -281,7 +333,13 @@ def prepare_chat(
     features = datasets.Features(
         {
             "id": datasets.Value("string"),
-            "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+            "messages": [
+                {
+                    "role": datasets.Value("string"),
+                    "content": datasets.Value("string"),
+                    "truncated": datasets.Value("bool"),
+                }
+            ],
         }
     )
     parent = os.path.dirname(os.path.abspath(output))

