@@ -3,13 +3,14 @@
 Stages (each cached, so a second run reuses what exists):
 
 1. the tiny OLMoE target (built from ShareGPT on first use);
-2. training data: ShareGPT rendered with the target's chat template, plus a subset whose assistant turns the target
-   regenerated itself (drafts trained on the target's own outputs accept more);
+2. training data: the target's own greedy answers to ShareGPT prompts (``data.train: tiny-regen``, what the tiny
+   recipes and ``vat bench`` train on: on-policy data, so simulated verification is exact);
 3. the draft vocabulary;
-4. training: the EAGLE-3 baseline and EAGLE-3 + VAT on the same data, steps and seed;
+4. training: the EAGLE-3 baseline and EAGLE-3 + VAT with the bench's recipes, on the same data, steps and seed;
 5. evaluation: real speculative decoding on Spec-Bench and HumanEval with chain drafting, with no budget and two
-   expert budgets, plus the autoregressive baseline in the same run;
-6. ``DIR/report.md`` with the side-by-side tables and the plots.
+   expert budgets, beside the training-free n-gram draft and the autoregressive baseline in the same run;
+6. ``DIR/report.md`` with the side-by-side tables (τ ratios with 95 % paired-bootstrap intervals over prompts) and
+   the plots.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ class DemoPlan:
     """Sizes of one demo run (``--quick`` is the same pipeline, smaller)."""
 
     target: str
-    regen_conversations: int
-    regen_new_tokens: int
     train_steps: int
     eval_limit: int  # prompts per benchmark (spread over Spec-Bench's categories)
     max_new_tokens: int
@@ -46,14 +45,16 @@ class DemoPlan:
 def plan_for(quick: bool) -> DemoPlan:
     drafts = {"eagle3": ["eagle3.yaml"], "eagle3+vat": ["eagle3_vat.yaml"]}  # recipe, then overrides
     if quick:
-        return DemoPlan(target="tiny-quick", regen_conversations=8, regen_new_tokens=32, train_steps=20,
+        return DemoPlan(target="tiny-quick", train_steps=20,
                         eval_limit=2, max_new_tokens=16, budgets=[None, 6, 4],
                         drafts=drafts, train_overrides=["data.tokens_per_batch=1024", "data.max_length=256"],
-                        seconds={"target": 60, "data": 25, "train": 14, "eval": 12})
-    return DemoPlan(target="tiny", regen_conversations=48, regen_new_tokens=96, train_steps=160,
+                        seconds={"target": 60, "data": 60, "train": 14, "eval": 15})
+    # the bench's recipe (recipes/bench/tiny.yaml: tiny-regen data, 2048-token batches) with fewer steps, so that the
+    # whole demo fits 30 min from nothing on 2 cores: target 11.5 min, regen 4.5 min, two drafts, eval
+    return DemoPlan(target="tiny", train_steps=120,
                     eval_limit=13, max_new_tokens=48, budgets=[None, 6, 4],
                     drafts=drafts, train_overrides=["data.tokens_per_batch=2048", "data.max_length=512"],
-                    seconds={"target": 690, "data": 78, "train": 350, "eval": 205})
+                    seconds={"target": 690, "data": 270, "train": 290, "eval": 240})
 
 
 class Stages:
@@ -87,42 +88,11 @@ class Stages:
         self.index += 1
 
 
-def ensure_demo_data(target_name: str, target_dir: str, plan: DemoPlan, max_length: int = 1024) -> str:
-    """ShareGPT prepared for the target plus the target-regenerated subset, concatenated (cached)."""
-    from datasets import concatenate_datasets, load_from_disk
+def ensure_demo_data(target_name: str, max_length: int) -> str:
+    """The target's own regenerated answers, prepared for training: the recipes' ``data.train: tiny-regen`` (cached)."""
+    from vat.defaults import resolve_train_data
 
-    from vat.data_prep.chat import prepare_chat
-    from vat.data_prep.regen import Regenerator, regenerate_file
-    from vat.defaults import ensure_tiny_data
-    from vat.paths import sharegpt_path, vat_home
-
-    out = os.path.join(vat_home(), "data", f"{target_name}-demo-train")
-    if os.path.exists(os.path.join(out, "dataset_info.json")):
-        return out
-    sharegpt = ensure_tiny_data(target_name, max_length=max_length)
-    regen_file = os.path.join(vat_home(), "data", f"{target_name}-regen.jsonl")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    print(f"[vat] regenerating {plan.regen_conversations} ShareGPT conversations with the target -> {regen_file}")
-    regenerate_file(sharegpt_path(), regen_file, Regenerator(model, tokenizer, max_new_tokens=plan.regen_new_tokens),
-                    batch_size=8, limit=plan.regen_conversations)
-    regen_dir = os.path.join(vat_home(), "data", f"{target_name}-regen")
-    parts = [load_from_disk(sharegpt)]
-    if os.path.exists(regen_file) and os.path.getsize(regen_file) > 0:
-        prepare_chat(regen_file, target_dir, regen_dir, max_length=max_length)
-        parts.append(load_from_disk(regen_dir))
-    else:
-        print("[vat] the target regenerated no usable answer; training on ShareGPT only")
-    columns = ["input_ids", "loss_mask", "length", "id"]
-    parts = [p.select_columns([c for c in columns if c in p.column_names]) for p in parts]
-    combined = concatenate_datasets(parts)
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    combined.save_to_disk(tmp)
-    os.replace(tmp, out)
-    return out
+    return resolve_train_data("tiny-regen", target_name, max_length)
 
 
 def train_draft(name: str, recipe_and_overrides: list[str], plan: DemoPlan, data: str, vocab: str, out: str) -> str:
@@ -160,7 +130,8 @@ def main(args: argparse.Namespace) -> int:
     plan = plan_for(args.quick)
     out = os.path.abspath(args.output)
     os.makedirs(out, exist_ok=True)
-    names = ["embedded tiny MoE target", "training data (ShareGPT + target-regenerated subset)", "draft vocabulary"]
+    names = ["embedded tiny MoE target", "training data (the target's own answers to ShareGPT prompts)",
+             "draft vocabulary"]
     names += [f"training {name}" for name in plan.drafts]
     names += ["speculative-decoding evaluation (Spec-Bench, HumanEval; budgets none and two smaller)", "report"]
     built = os.path.exists(os.path.join(tiny_target_dir(args.quick), "model.safetensors"))
@@ -172,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
     stages.next()
     target_dir = ensure_tiny_target(quick=args.quick)
     stages.next()
-    data = ensure_demo_data(plan.target, target_dir, plan)
+    data = ensure_demo_data(plan.target, _max_length(plan))
     stages.next()
     from transformers import AutoConfig
 
@@ -184,7 +155,8 @@ def main(args: argparse.Namespace) -> int:
         finals[name] = train_draft(name, recipe, plan, data, vocab, out)
     stages.next()
     eval_dir = os.path.join(out, "eval")
-    results = run_eval(target=target_dir, drafts=[*finals.items(), "none"], benchmarks=["spec_bench", "humaneval"],
+    results = run_eval(target=target_dir, drafts=[*finals.items(), "ngram", "none"],
+                       benchmarks=["spec_bench", "humaneval"],
                        steps=7, budgets=plan.budgets, max_new_tokens=plan.max_new_tokens, limit=plan.eval_limit,
                        output=eval_dir, device="cpu")
     stages.next()
@@ -197,3 +169,11 @@ def _recipe_vocab_size() -> int:
     from vat.config import load_config
 
     return int(load_config(os.path.join(REPO_RECIPES, "eagle3.yaml")).drafter.draft_vocab_size)
+
+
+def _max_length(plan: DemoPlan) -> int:
+    """The longest training sample of the plan (its ``data.max_length`` override)."""
+    for item in plan.train_overrides:
+        if item.startswith("data.max_length="):
+            return int(item.split("=", 1)[1])
+    return 1024

@@ -94,7 +94,8 @@ def plot_training(finals: dict[str, str], path: str) -> str | None:
 
 def _label_names(results: dict) -> dict[str, str]:
     """eval label -> name in the report: the label the demo gave each draft, ``autoregressive`` for the baseline."""
-    return {label: label if info.get("path") else "autoregressive" for label, info in results.get("drafts", {}).items()}
+    return {label: "autoregressive" if info.get("mode") == "ar" else label
+            for label, info in results.get("drafts", {}).items()}
 
 
 def _union_mib(m: dict) -> tuple[float | None, float | None]:
@@ -104,8 +105,42 @@ def _union_mib(m: dict) -> tuple[float | None, float | None]:
     return union, mib
 
 
+def ratio_pairs(results: dict) -> list[tuple[str, str]]:
+    """(method, reference) pairs the headline gives τ ratios for: each trained draft over the first (the baseline),
+    and each trained draft over the training-free n-gram draft."""
+    modes = {label: info.get("mode") for label, info in results.get("drafts", {}).items()}
+    trained = [label for label, mode in modes.items() if mode in ("chain", "tree")]
+    pairs = [(label, trained[0]) for label in trained[1:]]
+    pairs += [(label, ref) for ref, mode in modes.items() if mode == "ngram" for label in trained]
+    return pairs
+
+
+def tau_ratio(results: dict, method: str, reference: str, budget: str, bench: str, samples: int = 2000) -> dict | None:
+    """τ_method / τ_reference on one benchmark and budget with a 95 % paired-bootstrap interval over prompts
+    (one seed: the prompts are the only resampled unit; ``vat bench`` adds seeds)."""
+    import numpy as np
+
+    from vat.bench.stats import paired_ratio
+
+    per = results.get("per_prompt", {})
+    rows = [per.get(label, {}).get(budget, {}).get(bench) for label in (method, reference)]
+    if reference in per and budget not in per[reference] and "none" in per[reference]:
+        rows[1] = per[reference]["none"].get(bench)  # a reference measured without budgets
+    if not all(rows) or len(rows[0]) != len(rows[1]):
+        return None
+    counts = [(np.array([[p["committed"] for p in r]]), np.array([[p["rounds"] for p in r]])) for r in rows]
+    return paired_ratio(*counts[0], *counts[1], samples=samples).to_dict()
+
+
+def _fmt_ratio(est: dict | None) -> str:
+    if not est:
+        return "–"
+    return f"{est['value']:.2f} [{est['low']:.2f}, {est['high']:.2f}]"
+
+
 def headline(results: dict) -> tuple[list[str], list[dict]]:
-    """One row per benchmark and budget with every draft's τ, union per round and expert MiB per token side by side.
+    """One row per benchmark and budget with every draft's τ, the τ ratios with their 95 % intervals, and the union
+    per round and expert MiB per token side by side.
 
     Returns the Markdown lines and the same numbers as dicts (for ``demo.json``).
     """
@@ -113,7 +148,9 @@ def headline(results: dict) -> tuple[list[str], list[dict]]:
     per = results.get("results", {})
     budgets = [str(b) for b in results.get("settings", {}).get("budgets", [])]
     drafts = [(label, names[label]) for label in per if names.get(label) != "autoregressive"]
-    heads = [f"{what} {name}" for what in ("τ", "union/layer/round", "MiB/token") for _, name in drafts]
+    pairs = ratio_pairs(results)
+    heads = [f"τ {name}" for _, name in drafts] + [f"τ {m} / {r} [95 % CI]" for m, r in pairs]
+    heads += [f"{what} {name}" for what in ("union/layer/round", "MiB/token") for _, name in drafts]
     lines = ["| benchmark | budget B | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
     rows = []
     for bench in results.get("benchmarks", []):
@@ -125,8 +162,10 @@ def headline(results: dict) -> tuple[list[str], list[dict]]:
             for name, m in cells.items():
                 union, mib = _union_mib(m or {})
                 row[name] = {"tau": (m or {}).get("tau"), "union_per_round": union, "expert_mib_per_token": mib}
+            row["ratios"] = {f"{m}/{r}": tau_ratio(results, m, r, budget, bench) for m, r in pairs}
             rows.append(row)
-            values = [_fmt(row[n]["tau"]) for _, n in drafts] + [_fmt(row[n]["union_per_round"]) for _, n in drafts]
+            values = [_fmt(row[n]["tau"]) for _, n in drafts] + [_fmt_ratio(v) for v in row["ratios"].values()]
+            values += [_fmt(row[n]["union_per_round"]) for _, n in drafts]
             values += [_fmt(row[n]["expert_mib_per_token"], 3) for _, n in drafts]
             lines.append(f"| {bench} | {budget} | " + " | ".join(values) + " |")
     return lines, rows
@@ -190,7 +229,8 @@ def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir:
             pngs.append(name)
     info = results.get("target_info", {})
     lines = [
-        f"# vat demo{' (quick)' if quick else ''}: EAGLE-3 vs EAGLE-3 + VAT on the embedded tiny MoE target",
+        f"# vat demo{' (quick)' if quick else ''}: EAGLE-3 vs EAGLE-3 + VAT (and n-gram lookup) on the embedded tiny MoE "
+        "target",
         "",
         f"Target: `{results.get('target')}` — OLMoE architecture, {info.get('num_experts')} experts, top-"
         f"{info.get('top_k')}, {len(info.get('moe_layer_ids', []))} MoE layers. Chain drafting K = "
@@ -201,7 +241,10 @@ def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir:
         "## Headline: acceptance length τ, expert union per round and expert bytes per token",
         "",
         "Measured with real speculative decoding (the target verifies every drafted token); union = distinct experts "
-        "per MoE layer per verification round; MiB/token = expert weights read per generated token.",
+        "per MoE layer per verification round; MiB/token = expert weights read per generated token. Ratios: τ of one "
+        "draft over another's on the same prompts, with a 95 % paired-bootstrap interval over prompts; the demo trains "
+        "one seed per draft, so the interval leaves out seed-to-seed variation: `vat bench recipes/bench/tiny.yaml` "
+        "measures it (3 seeds). `ngram` is training-free prompt lookup (vLLM's n-gram speculator rule).",
         "",
         *head_lines,
         "",

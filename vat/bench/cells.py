@@ -301,7 +301,7 @@ def eval_stage(directory: str, drafts: list, target: str, settings: dict, identi
     result = run_eval(target=target, drafts=drafts, benchmarks=list(settings["benchmarks"]), steps=settings["steps"],
                       temperature=settings["temperature"], budgets=list(settings["budgets"]),
                       max_new_tokens=settings["max_new_tokens"], limit=settings["limit"], output=directory,
-                      progress=progress, plots=False)
+                      progress=progress, plots=False, autoregressive=False)  # AR is its own cell
     _write_json(os.path.join(directory, SETTINGS_FILE), recorded)
     return {**result, "bench_seconds": time.time() - start, "bench_reused": False}
 

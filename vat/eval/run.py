@@ -274,6 +274,7 @@ def run_eval(
     device: str | None = None,
     progress: bool = True,
     plots: bool = True,
+    autoregressive: bool = True,
 ) -> dict:
     """Evaluate drafts by real speculative decoding; write ``output/`` when given; return the eval.json dict.
 
@@ -303,6 +304,8 @@ def run_eval(
         device: target device (default CUDA if available).
         progress: show tqdm bars.
         plots: write the PNGs (with ``output``).
+        autoregressive: also decode every prompt autoregressively (the ``speedup_vs_ar`` denominator); False skips
+            that pass unless ``none`` is among ``drafts`` (``vat bench`` measures AR once, as its own cell).
 
     Returns:
         The eval.json dict (schema in ``docs/eval.md``).
@@ -329,7 +332,10 @@ def run_eval(
     _attach(eagle, target_obj, vh_threshold)
     tok = _load_tokenizer(tokenizer, target_obj)
     eos = eos_token_ids(tok, target_obj.model)
-    configs = [RunConfig(DraftEntry(AR_LABEL, None), None)]
+    # the AR pass is the denominator of speedup_vs_ar; a caller that measures AR once elsewhere (vat bench) skips it
+    # unless `none` is asked for by name
+    asked_ar = any(isinstance(d, str) and d.lower() == AR_LABEL for d in drafts)
+    configs = [RunConfig(DraftEntry(AR_LABEL, None), None)] if autoregressive or asked_ar or not entries else []
     configs += [RunConfig(d, b) for d in entries for b in budget_list]
     # the longest verification block decides which prompts fit (n-gram drafts are chains of `steps`)
     block = 1 + max([steps if tree_spec is None or d.is_ngram else tree_spec.total_tokens for d in entries] or [0])
@@ -404,7 +410,8 @@ def run_eval(
             "seed": seed,
         },
         "drafts": {
-            AR_LABEL: {"path": None, "mode": "ar", "verification_head": False, "vh_threshold": None},
+            **({AR_LABEL: {"path": None, "mode": "ar", "verification_head": False, "vh_threshold": None}}
+               if any(c.draft.label == AR_LABEL for c in configs) else {}),
             **{d.label: _draft_record(d, tree_spec) for d in entries},
         },
         "benchmarks": bench_names,
