@@ -7,6 +7,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# idle OpenMP threads sleep instead of spinning: on a shared 2-core machine spinning threads of two torch processes
+# made small CPU runs 10-20x slower (measured); must be set before torch is imported
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,7 +1,7 @@
 """The README's main job and the CI smoke runs, for real, on the embedded tiny target (quick build).
 
-``vat demo --quick`` builds (or reuses) the quick tiny target, prepares ShareGPT, trains EAGLE-3 and EAGLE-3 + VAT,
-evaluates them with real speculative decoding and writes the report. Then the recipe smoke run
+``vat demo --quick`` builds (or reuses) the quick tiny target and its own answers to ShareGPT prompts, trains EAGLE-3
+and EAGLE-3 + VAT, evaluates them with real speculative decoding beside n-gram lookup and writes the report. Then the recipe smoke run
 (``train.max_steps=20``), ``vat eval`` on the trained draft, and ``vat export`` to both engines' layouts.
 """
 
@@ -45,7 +45,15 @@ def test_demo_quick_writes_report_tables_and_plots(demo_dir):
     for png in pngs:
         assert (demo_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ev = json.loads((demo_dir / "eval" / "eval.json").read_text())
-    assert set(ev["results"]) == {"eagle3", "eagle3+vat", "none"}  # the demo's names label every eval output
+    assert set(ev["results"]) == {"eagle3", "eagle3+vat", "ngram", "none"}  # the demo's names label every output
+    # the headline's τ ratios: VAT over EAGLE-3 and each draft over n-gram lookup, with intervals around the point
+    assert "τ eagle3+vat / eagle3 [95 % CI]" in report and "τ eagle3 / ngram [95 % CI]" in report
+    for row in head:
+        assert set(row["ratios"]) == {"eagle3+vat/eagle3", "eagle3/ngram", "eagle3+vat/ngram"}
+        for name, est in row["ratios"].items():
+            assert est["low"] <= est["value"] <= est["high"], (row["benchmark"], row["budget"], name)
+        taus = (row["eagle3+vat"]["tau"], row["eagle3"]["tau"])
+        assert abs(row["ratios"]["eagle3+vat/eagle3"]["value"] - taus[0] / taus[1]) < 1e-9
     for label, per_budget in ev["results"].items():
         for budget, per_bench in per_budget.items():
             for bench, m in per_bench.items():
