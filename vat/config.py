@@ -211,6 +211,21 @@ def _type_error(err: ValidationError) -> VatError:
     return VatError(f"bad value {shown} for config key `{key}`: expected {_expected_type(key)}")
 
 
+def load_yaml_mapping(path: str, what: str) -> Any:
+    """A YAML file of config keys, or one clear line: missing file, YAML syntax error, or not a mapping."""
+    import os
+
+    if not os.path.exists(path):
+        raise VatError(f"{what} not found: {path}")
+    try:
+        user = OmegaConf.load(path)
+    except Exception as err:  # yaml syntax error
+        raise VatError(f"cannot parse {what} {path}: {str(err).splitlines()[0]}") from None
+    if isinstance(user, ListConfig):
+        raise VatError(f"{what} {path} must be a mapping of config keys, not a list")
+    return user
+
+
 def load_config(recipe: Optional[str] = None, overrides: Optional[list[str]] = None) -> VatConfig:
     """Build the run configuration from a YAML recipe plus dotted overrides.
 
@@ -224,20 +239,11 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[list[str]] = N
     Raises:
         VatError: a missing recipe, an unknown key (naming the closest valid one) or a value of the wrong type.
     """
-    import os
 
     schema = OmegaConf.structured(VatConfig)
     layers = []
     if recipe is not None:
-        recipe = resolve_recipe(recipe)  # a packaged recipe when the path is not a file here
-        if not os.path.exists(recipe):
-            raise VatError(f"recipe not found: {recipe}")
-        try:
-            user = OmegaConf.load(recipe)
-        except Exception as err:  # yaml syntax error
-            raise VatError(f"cannot parse recipe {recipe}: {str(err).splitlines()[0]}") from None
-        if isinstance(user, ListConfig):
-            raise VatError(f"recipe {recipe} must be a mapping of config keys, not a list")
+        user = load_yaml_mapping(resolve_recipe(recipe), "recipe")  # a packaged recipe when not a file here
         _check_keys(user, schema)
         layers.append(user)
     for item in overrides or []:
@@ -403,18 +409,10 @@ def load_bench_config(path: Optional[str], overrides: Optional[list[str]] = None
         VatError: a missing file, an unknown key (naming the closest valid one), a value of the wrong type, or
             an inconsistent bench (no methods, a reference that is not a method, an unknown baseline ...).
     """
-    import os
 
     user: Any = OmegaConf.create({})
     if path is not None:
-        if not os.path.exists(path):
-            raise VatError(f"bench config not found: {path}")
-        try:
-            user = OmegaConf.load(path)
-        except Exception as err:  # yaml syntax error
-            raise VatError(f"cannot parse bench config {path}: {str(err).splitlines()[0]}") from None
-        if isinstance(user, ListConfig):
-            raise VatError(f"bench config {path} must be a mapping of config keys, not a list")
+        user = load_yaml_mapping(path, "bench config")
     items = list(overrides or [])
     for item in items:
         if "=" not in item:
