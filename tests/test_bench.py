@@ -186,6 +186,10 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
             assert stats["n_prompts"] == 3
             if label in ("eagle3", "vat"):
                 assert stats["seeds"] == [0, 1] and set(stats["per_seed"]) == {"0", "1"}
+                versus = stats["versus"]["ngram"]  # what a trained draft must beat: the free n-gram lookup
+                assert versus["low"] <= versus["value"] <= versus["high"], (label, bench, versus)
+                ngram = summary["results"]["ngram"]["none"][bench]["tau"]["value"]
+                assert versus["value"] == pytest.approx(tau["value"] / ngram)
     assert summary["results"]["eagle3"]["none"]["spec_bench"]["ratio"]["reference"] is True
     assert summary["results"]["none"]["none"]["spec_bench"]["tau"]["value"] == pytest.approx(1.0)
     assert summary["train"]["vat"]["drafts"] == 2 and summary["train"]["vat"]["minutes_per_draft"] > 0
@@ -194,7 +198,7 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
     assert [p["step"] for p in summary["curve"]["eagle3"]] == [4]
     assert summary["curve"]["eagle3"][0]["tokens"] > 0
     report = (out / "bench.md").read_text()
-    assert "| method | τ [95 % CI] | ratio to eagle3 [95 % CI] | seeds | train min/draft |" in report
+    assert "| method | τ [95 % CI] | ratio to eagle3 [95 % CI] | ratio to ngram [95 % CI] | seeds | train min/draft |" in report
     assert "## τ against training tokens" in report
     for png in ("tau_by_benchmark.png", "tau_vs_tokens.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -64,8 +64,12 @@ def _rows(entry: dict, seeds: list) -> tuple[np.ndarray, np.ndarray]:
     return entry["committed"][index], entry["rounds"][index]
 
 
-def method_statistics(rows: dict, labels: list[str], reference: str, budgets: list[str], boot: Any) -> dict:
+def method_statistics(rows: dict, labels: list[str], reference: str, budgets: list[str], boot: Any,
+                      versus: tuple[str, ...] = ()) -> dict:
     """τ with an interval, τ per seed and the paired ratio to the reference, per label x budget x benchmark.
+
+    A trained method also gets ``versus[name]``: its paired ratio to each training-free baseline in ``versus`` (the
+    n-gram draft a user gets for free), over its seeds and the shared prompts.
 
     The ratio of a trained method uses the seeds both it and the reference have finished (paired by seed); a
     baseline's pairs over prompts with all the reference's seeds. The reference at the same budget is used when it
@@ -99,6 +103,13 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
                 if common:
                     ratio = paired_ratio(*mine, *_rows(ref, common), **kw)
                     stats["ratio"] = {**ratio.to_dict(), "seeds": common}
+        if entry["seeds"] != [None]:
+            stats["versus"] = {}
+            for base in versus:
+                other = rows.get((base, budget, bench)) or rows.get((base, NO_BUDGET, bench))
+                if other is not None and other["ids"] == entry["ids"]:
+                    est = paired_ratio(entry["committed"], entry["rounds"], other["committed"], other["rounds"], **kw)
+                    stats["versus"][base] = est.to_dict()
         out.setdefault(label, {}).setdefault(budget, {})[bench] = stats
     return out
 
@@ -185,7 +196,8 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "interval": {"kind": "percentile bootstrap", "resampled": "seeds and prompts (crossed); paired for ratios",
                      "samples": int(bench.bootstrap.samples), "confidence": float(bench.bootstrap.confidence)},
         "settings": settings,
-        "results": method_statistics(rows, labels, bench.reference, budgets, bench.bootstrap),
+        "results": method_statistics(rows, labels, bench.reference, budgets, bench.bootstrap,
+                                     versus=tuple(b for b in bench.baselines if b != "none")),
         "train": train_statistics(records),
         "curve": curve_statistics(records),
         "cells": {label: {("baseline" if r["seed"] is None else f"seed{r['seed']}"): r for r in rs}
@@ -238,9 +250,11 @@ def markdown(summary: dict) -> str:
     for budget in summary["budgets"]:
         for bench in summary["benchmarks"]:
             title = bench if budget == NO_BUDGET else f"{bench}, expert budget B = {budget}"
+            versus = [b for b in summary["baselines"] if b != "none"]
             lines += [f"## {title}", "",
-                      f"| method | τ [{conf} % CI] | ratio to {ref} [{conf} % CI] | seeds | train min/draft |",
-                      "|---|---|---|---|---|"]
+                      f"| method | τ [{conf} % CI] | ratio to {ref} [{conf} % CI] | "
+                      + "".join(f"ratio to {b} [{conf} % CI] | " for b in versus) + "seeds | train min/draft |",
+                      "|---|---|---|" + "---|" * len(versus) + "---|---|"]
             for label in labels:
                 stats = summary["results"].get(label, {}).get(budget, {}).get(bench)
                 if stats is None:
@@ -249,7 +263,8 @@ def markdown(summary: dict) -> str:
                 shown = "1 (reference)" if ratio and ratio.get("reference") else _fmt(ratio)
                 seeds = str(len(stats["seeds"])) if stats["seeds"] else "–"
                 minutes = f"{train[label]['minutes_per_draft']:.2f}" if label in train else "–"
-                lines.append(f"| {label} | {_fmt(stats['tau'])} | {shown} | {seeds} | {minutes} |")
+                against = "".join(f"{_fmt(stats.get('versus', {}).get(b))} | " for b in versus)
+                lines.append(f"| {label} | {_fmt(stats['tau'])} | {shown} | {against}{seeds} | {minutes} |")
             lines.append("")
     if summary["curve"]:
         lines += ["## τ against training tokens", "",
