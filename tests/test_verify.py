@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vat.verify import (
-    onpolicy_censor,
     expected_accept,
     first_rejection,
     gather_block_targets,
     gather_ttt_targets,
     kstar_distribution,
+    onpolicy_censor,
     sampled_accept,
     simulate_verification,
     survival,
