@@ -451,13 +451,14 @@ def deterministic_cpu(num_threads: int = NUM_THREADS):
 
 
 @contextlib.contextmanager
-def _build_lock(output_dir: str):
+def build_lock(output_dir: str):
     """Hold an exclusive lock on ``<output_dir>.lock`` so concurrent builds of one directory run one at a time."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock; the atomic rename still protects the result
         yield
         return
+    os.makedirs(os.path.dirname(os.path.abspath(output_dir.rstrip(os.sep))), exist_ok=True)
     with open(output_dir.rstrip(os.sep) + ".lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -567,7 +568,7 @@ def build_tiny_target(output_dir: str, quick: bool = False, seed: int = 0, force
     cached = _check_output(output_dir, quick, seed, force)
     if cached is not None:
         return cached
-    with _build_lock(output_dir):
+    with build_lock(output_dir):
         cached = _check_output(output_dir, quick, seed, force)  # another process may have finished meanwhile
         if cached is not None:
             return cached

@@ -8,7 +8,6 @@ ShareGPT conversations" (on-policy data, what drafts should train on). Both are 
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from vat.errors import VatError
@@ -44,23 +43,6 @@ def ensure_tiny_data(target_name: str = "tiny", max_length: int = 1024) -> str:
     prepare_chat(sharegpt_path(), target_dir, tmp, max_length=max_length, limit=TINY_DATA_ROWS[target_name])
     os.replace(tmp, out)  # complete or absent: an interrupted build is redone
     return out
-
-
-@contextlib.contextmanager
-def _lock(path: str):
-    """An exclusive lock on ``<path>.lock`` (concurrent builders of one dataset wait, then find it built)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock; the atomic rename still protects the result
-        yield
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def ensure_tiny_regen_data(
@@ -103,7 +85,7 @@ def ensure_tiny_regen_data(
         load_generator_model,
         regenerate_file,
     )
-    from vat.data_prep.tiny_target import spec_for
+    from vat.data_prep.tiny_target import build_lock, spec_for
     from vat.paths import resolve_target_path, sharegpt_path, vat_home
 
     if target_name not in TINY_REGEN:
@@ -122,7 +104,7 @@ def ensure_tiny_regen_data(
     out = os.path.join(data_dir, f"{name}-{max_length}")
     if os.path.exists(os.path.join(out, "stats.json")):
         return out
-    with _lock(out):
+    with build_lock(out):
         if os.path.exists(os.path.join(out, "stats.json")):  # built while we waited
             return out
         target_dir = resolve_target_path(target_name)

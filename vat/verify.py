@@ -484,7 +484,7 @@ def simulate_verification(
     kprobs = kstar_distribution(m)  # (..., K+1)
     if censored is not None:
         m = m * valid.float()  # labels and metrics from observed positions only
-    v = torch.cumprod(m, dim=-1) if censored is None else torch.cumprod(torch.where(censored, 1.0, m), -1) * valid
+    v = torch.cumprod(m, dim=-1)  # (..., K): censored positions are a suffix, so they only zero their own entries
     v_prev = torch.cat([torch.ones_like(v[..., :1]), v[..., :-1]], dim=-1)  # (..., K)
     validf = valid.float()
     anchor_valid = valid[..., 0]  # (...,)
