@@ -81,9 +81,10 @@ def _gate_up_act_kernel(
     if expert < 0:  # unused block past the last expert's run
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)  # (BM,)
+    # int64 before any stride multiply: pair * stride_op passes 2**31 once T·k·H does (~37 k tokens at DeepSeek-V3)
+    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)  # (BM,)
     row_ok = pair < num_pairs  # (BM,) padding rows are masked out
-    token = pair // TOP_K  # (BM,)
+    token = pair // TOP_K  # (BM,) int64
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)  # (BK,)
@@ -156,7 +157,7 @@ def _down_kernel(
     if expert < 0:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)  # (BM,)
+    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)  # (BM,) int64: pair * stride_op passes 2**31 first here
     row_ok = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     col_ok = offs_n < N
