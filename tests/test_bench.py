@@ -120,6 +120,7 @@ def test_bench_config_loads_and_names_bad_keys():
         ("eval.limt=3", "did you mean `eval.limit`"),
         ("methods.vat.recipee=x", "did you mean `methods.vat.recipe`"),
         ("reference=eagle", "did you mean `eagle3`"),
+        ("compare=[vatt]", "did you mean `vat`"),
         ("baselines=[ngramm]", "did you mean `ngram`"),
         ("eval.limit=abc", "expected int"),
         ("seeds=[]", "at least one seed"),
@@ -212,3 +213,16 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
     assert rerun.count("finished earlier, skipped") == 6
     assert time.time() - start < 30
     assert json.loads((out / "bench.json").read_text())["results"] == summary["results"]
+
+    # `compare`: every method is also paired, seed by seed, with another method (no cell reruns)
+    assert vat_main(["bench", QUICK, f"output_dir={out}", "compare=[vat]"]) == 0
+    assert capsys.readouterr().out.count("finished earlier, skipped") == 6
+    compared = json.loads((out / "bench.json").read_text())["results"]
+    for bench in summary["benchmarks"]:
+        versus = compared["eagle3"]["none"][bench]["versus"]["vat"]
+        vat_tau = summary["results"]["vat"]["none"][bench]["tau"]["value"]
+        eagle_tau = summary["results"]["eagle3"]["none"][bench]["tau"]["value"]
+        assert versus["seeds"] == [0, 1] and versus["low"] <= versus["value"] <= versus["high"]
+        assert versus["value"] == pytest.approx(eagle_tau / vat_tau)
+        assert "vat" not in compared["vat"]["none"][bench]["versus"]  # never against itself
+    assert "| ratio to ngram [95 % CI] | ratio to vat [95 % CI] |" in (out / "bench.md").read_text()

@@ -357,6 +357,7 @@ class BenchConfig:
     train_overrides: list[str] = field(default_factory=list)  # applied to every method (target, data, steps ...)
     baselines: list[str] = field(default_factory=lambda: list(BENCH_BASELINES))  # training-free; evaluated once
     reference: str = "eagle3"  # the method every ratio is taken against
+    compare: list[str] = field(default_factory=list)  # more methods every method is also paired with, seed by seed
     eval: BenchEvalConfig = field(default_factory=BenchEvalConfig)
     curve: BenchCurveConfig = field(default_factory=BenchCurveConfig)
     bootstrap: BenchBootstrapConfig = field(default_factory=BenchBootstrapConfig)
@@ -455,6 +456,10 @@ def _check_bench(cfg: Any) -> None:
     if cfg.reference not in cfg.methods:
         raise VatError(f"bench config key `reference`: `{cfg.reference}` is not a method"
                        f"{_closest(cfg.reference, list(cfg.methods))}; one of {', '.join(cfg.methods)}")
+    for other in cfg.compare:
+        if other not in cfg.methods:
+            raise VatError(f"bench config key `compare`: `{other}` is not a method"
+                           f"{_closest(str(other), list(cfg.methods))}; one of {', '.join(cfg.methods)}")
     for base in cfg.baselines:
         if base not in BENCH_BASELINES:
             raise VatError(f"bad baseline `{base}`{_closest(str(base), list(BENCH_BASELINES))}; "

@@ -68,8 +68,9 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
                       versus: tuple[str, ...] = ()) -> dict:
     """τ with an interval, τ per seed and the paired ratio to the reference, per label x budget x benchmark.
 
-    A trained method also gets ``versus[name]``: its paired ratio to each training-free baseline in ``versus`` (the
-    n-gram draft a user gets for free), over its seeds and the shared prompts.
+    A trained method also gets ``versus[name]``: its paired ratio to each label in ``versus``: a training-free
+    baseline (the n-gram draft a user gets for free), paired over its seeds and the shared prompts, or another
+    method of the bench's ``compare`` list (e.g. the draft a continuation started from), paired seed by seed.
 
     The ratio of a trained method uses the seeds both it and the reference have finished (paired by seed); a
     baseline's pairs over prompts with all the reference's seeds. The reference at the same budget is used when it
@@ -107,11 +108,23 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
             stats["versus"] = {}
             for base in versus:
                 other = rows.get((base, budget, bench)) or rows.get((base, NO_BUDGET, bench))
-                if other is not None and other["ids"] == entry["ids"]:
+                if base == label or other is None or other["ids"] != entry["ids"]:
+                    continue
+                if other["seeds"] == [None]:  # a training-free baseline: paired over prompts
                     est = paired_ratio(entry["committed"], entry["rounds"], other["committed"], other["rounds"], **kw)
                     stats["versus"][base] = est.to_dict()
+                else:  # another trained method: paired seed by seed, as the reference ratio
+                    common = [s for s in entry["seeds"] if s in other["seeds"]]
+                    if common:
+                        est = paired_ratio(*_rows(entry, common), *_rows(other, common), **kw)
+                        stats["versus"][base] = {**est.to_dict(), "seeds": common}
         out.setdefault(label, {}).setdefault(budget, {})[bench] = stats
     return out
+
+
+def versus_labels(baselines: list[str], compare: list[str]) -> tuple[str, ...]:
+    """The labels every trained method gets a ratio column against: the drafting baselines, then ``compare``."""
+    return (*(b for b in baselines if b != "none"), *compare)
 
 
 def train_statistics(records: dict[str, list[dict]]) -> dict:
@@ -189,6 +202,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "reference": bench.reference,
         "methods": list(bench.methods),
         "baselines": list(bench.baselines),
+        "compare": list(bench.compare),
         "seeds": list(bench.seeds),
         "benchmarks": sorted({bench_name for (_, _, bench_name) in rows}, key=_bench_order(bench)),
         "budgets": budgets,
@@ -197,7 +211,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
                      "samples": int(bench.bootstrap.samples), "confidence": float(bench.bootstrap.confidence)},
         "settings": settings,
         "results": method_statistics(rows, labels, bench.reference, budgets, bench.bootstrap,
-                                     versus=tuple(b for b in bench.baselines if b != "none")),
+                                     versus=versus_labels(bench.baselines, bench.compare)),
         "train": train_statistics(records),
         "curve": curve_statistics(records),
         "cells": {label: {("baseline" if r["seed"] is None else f"seed{r['seed']}"): r for r in rs}
@@ -250,7 +264,7 @@ def markdown(summary: dict) -> str:
     for budget in summary["budgets"]:
         for bench in summary["benchmarks"]:
             title = bench if budget == NO_BUDGET else f"{bench}, expert budget B = {budget}"
-            versus = [b for b in summary["baselines"] if b != "none"]
+            versus = list(versus_labels(summary["baselines"], summary.get("compare", [])))
             lines += [f"## {title}", "",
                       f"| method | τ [{conf} % CI] | ratio to {ref} [{conf} % CI] | "
                       + "".join(f"ratio to {b} [{conf} % CI] | " for b in versus) + "seeds | train min/draft |",
