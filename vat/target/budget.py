@@ -7,6 +7,10 @@ Pure tensor functions, applied by the router hook in :mod:`vat.target.routing`:
    (so B >= union leaves the model bit-identical), else the top-B experts by summed routing score;
 3. :func:`apply_budget` reroutes (``substitute``) or drops (``truncate``) the out-of-budget slots, keeping each
    family's own weighting rule through its :class:`~vat.target.families.FamilyAdapter`.
+
+Coverage: a token none of whose natural top-k experts is in S ("uncovered") would get no expert output at all under
+plain truncation; ``truncate`` reroutes such a token by substitution instead (MoE-Spec's coverage intent: every token
+is served by the budget set), and both policies count these tokens (``TargetOutput.n_uncovered``).
 """
 
 from __future__ import annotations
@@ -146,8 +150,13 @@ def apply_budget(
     n_groups: int,
     budget: int,
     policy: str,
+    counts: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Budget one MoE layer's routing.
+
+    ``substitute``: a token with an expert outside S reruns the model's own selection over S (k slots filled
+    whenever S holds k experts). ``truncate``: its out-of-set slots are dropped and the kept weights rescaled to the
+    natural total; a token with *no* natural expert in S (it would get zero expert output) is substituted instead.
 
     Args:
         adapter: the family's routing rule.
@@ -158,6 +167,8 @@ def apply_budget(
         n_groups: number of windows.
         budget: B for this layer.
         policy: ``substitute`` or ``truncate``.
+        counts: if given, receives ``"uncovered"``: a 0-d int64 tensor, the budgeted tokens none of whose natural
+            experts is in S (no host sync: it stays on the device).
 
     Returns:
         ``(topk_weights (N, k), topk_ids (N, k))`` with at most B distinct ids per window; dropped slots hold
@@ -173,17 +184,40 @@ def apply_budget(
     allowed = allowed_sets[groups.clamp_min(0)] | ~member[:, None]  # (N, E); unbudgeted tokens allow all
     in_set = torch.cat([allowed, torch.zeros_like(allowed[:, :1])], dim=1).gather(1, ids)  # (N, k)
     inside = in_set.all(dim=1)  # (N,) natural top-k already inside S
+    uncovered = ~in_set.any(dim=1)  # (N,) no natural expert in S (never true for unbudgeted tokens)
+    if counts is not None:
+        counts["uncovered"] = uncovered.sum()
     if bool(inside.all()):
         return weights, ids
+    sub_w, sub_ids = adapter.select(router, logits, allowed)
+    sub_w = sub_w.to(weights.dtype)
     if policy == "substitute":
-        new_w, new_ids = adapter.select(router, logits, allowed)
-        new_w = new_w.to(weights.dtype)
+        new_w, new_ids = sub_w, sub_ids
     else:
-        kept = weights * in_set  # (N, k)
-        total = weights.sum(dim=1, keepdim=True)
-        kept_total = kept.sum(dim=1, keepdim=True)
-        scale = torch.where(kept_total > 0, total / kept_total.clamp_min(torch.finfo(kept.dtype).tiny), 0.0)
-        new_w = (kept * scale).to(weights.dtype)
-        new_ids = torch.where(in_set, ids, torch.full_like(ids, num_experts))
+        new_w, new_ids = _truncate(weights, ids, in_set, num_experts)
+        new_w = torch.where(uncovered[:, None], sub_w, new_w)  # coverage: nothing left to truncate to
+        new_ids = torch.where(uncovered[:, None], sub_ids, new_ids)
     keep_natural = inside[:, None]
     return torch.where(keep_natural, weights, new_w), torch.where(keep_natural, ids, new_ids)
+
+
+def _truncate(
+    weights: torch.Tensor, ids: torch.Tensor, in_set: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the out-of-set slots (sentinel id, weight 0) and rescale the kept weights to the natural total.
+
+    Args:
+        weights: (N, k) natural weights.
+        ids: (N, k) natural ids.
+        in_set: (N, k) bool, slot's expert is in S.
+        num_experts: E (the sentinel).
+
+    Returns:
+        ``(topk_weights (N, k), topk_ids (N, k))``; a row with no kept slot is all sentinel, weight 0.
+    """
+    kept = weights * in_set  # (N, k)
+    total = weights.sum(dim=1, keepdim=True)
+    kept_total = kept.sum(dim=1, keepdim=True)
+    scale = torch.where(kept_total > 0, total / kept_total.clamp_min(torch.finfo(kept.dtype).tiny), 0.0)
+    new_ids = torch.where(in_set, ids, torch.full_like(ids, num_experts))
+    return (kept * scale).to(weights.dtype), new_ids

@@ -116,27 +116,73 @@ def _with_sentinel(weights, ids, ok, num_experts):
 
 
 def _select_sigmoid_group(router, logits, allowed):
-    """DeepSeek-V3's rule (sigmoid, correction bias, group top-2 sums, ``topk_group`` groups, top-k)."""
+    """DeepSeek-V3's rule (sigmoid, correction bias, group top-2 sums, ``topk_group`` groups, top-k), over ``allowed``.
+
+    With every expert allowed this is exactly the model's router. With some experts excluded (a budget set S), the
+    model's procedure runs on S alone:
+
+    1. each group is scored by the sum of its top-2 *allowed* biased scores (a group holding one allowed expert
+       scores that expert alone; a group with none cannot be chosen), so a group is never sunk by the experts it
+       lost to the budget;
+    2. the ``topk_group`` best groups are taken, then, if they hold fewer than ``top_k`` allowed experts, the next
+       groups in rank order until they do (or none is left): the group limit never leaves a slot empty while S
+       still has an expert for it;
+    3. top-k over the allowed experts of the chosen groups; weights from the unbiased scores, renormalised and
+       scaled as the model does.
+
+    A slot stays empty (sentinel ``num_experts``, weight 0) only when S holds fewer than ``top_k`` experts.
+
+    Args:
+        router: a ``DeepseekV3TopkRouter`` (``top_k``, ``num_experts``, ``num_group``, ``topk_group``,
+            ``e_score_correction_bias``, ``norm_topk_prob``, ``routed_scaling_factor``).
+        logits: (N, E) router logits.
+        allowed: (N, E) bool, or None (all experts).
+
+    Returns:
+        ``(topk_weights (N, k) fp32, topk_ids (N, k) int64)``.
+    """
     k, num_experts = router.top_k, router.num_experts
     n_group, topk_group = router.num_group, router.topk_group
+    size = num_experts // n_group
     scores = logits.float().sigmoid()  # (N, E)
-    choice = scores + router.e_score_correction_bias
-    if allowed is not None:
-        # excluded experts rank below every allowed one but stay finite, so group sums stay ordered:
-        # groups with more allowed experts win, and -inf never meets +x (no NaN)
-        choice = choice.masked_fill(~allowed, -1e4)
-    group_scores = choice.view(-1, n_group, num_experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
-    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=k, dim=-1, sorted=False)[1]  # (N, k)
-    ok = _slot_ok(allowed, ids)
+    choice = scores + router.e_score_correction_bias  # (N, E) biased scores rank, unbiased ones weigh
+    if allowed is None:
+        allowed = torch.ones_like(choice, dtype=torch.bool)
+    ranked = choice.masked_fill(~allowed, float("-inf"))  # (N, E)
+    top2 = ranked.view(-1, n_group, size).topk(min(2, size), dim=-1)[0]  # (N, G, 2)
+    group_scores = top2.masked_fill(top2 == float("-inf"), 0.0).sum(dim=-1)  # (N, G) top-2 of the allowed
+    held = allowed.view(-1, n_group, size).sum(dim=-1)  # (N, G) allowed experts per group
+    group_scores = group_scores.masked_fill(held == 0, float("-inf"))
+    group_mask = _chosen_groups(group_scores, held, topk_group, k)  # (N, G)
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, n_group, size).reshape(-1, num_experts)  # (N, E)
+    ranked = ranked.masked_fill(~expert_mask, float("-inf"))
+    ids = torch.topk(ranked, k=k, dim=-1, sorted=False)[1]  # (N, k)
+    ok = torch.isfinite(ranked.gather(1, ids))  # (N, k) False only when fewer than k experts are allowed
     weights = scores.gather(1, ids) * ok
     if router.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * router.routed_scaling_factor
     return _with_sentinel(weights, ids, ok, num_experts)
+
+
+def _chosen_groups(group_scores: torch.Tensor, held: torch.Tensor, topk_group: int, k: int) -> torch.Tensor:
+    """The groups a token routes within: the ``topk_group`` best, widened in rank order until they hold k experts.
+
+    Args:
+        group_scores: (N, G) group scores (-inf = no allowed expert).
+        held: (N, G) allowed experts per group.
+        topk_group: the model's group limit.
+        k: top_k.
+
+    Returns:
+        (N, G) bool.
+    """
+    order = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices  # (N, G) best group first
+    held_ranked = held.gather(1, order)  # (N, G)
+    before = held_ranked.cumsum(dim=-1) - held_ranked  # (N, G) allowed experts in the better groups
+    rank = torch.arange(group_scores.shape[-1], device=group_scores.device)  # (G,)
+    take = (rank < topk_group) | (before < k)  # (N, G) by rank
+    return torch.zeros_like(take).scatter_(1, order, take)
 
 
 ADAPTERS: dict[str, FamilyAdapter] = {

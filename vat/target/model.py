@@ -32,7 +32,11 @@ class TargetOutput:
         final_hidden: (B, T, H) the last hidden state after the final norm (what the LM head reads).
         topk_ids: (L', B, T, k) executed expert ids per MoE layer; ``num_experts`` marks a dropped slot.
         window_groups: (B, T) budget-window id per token (-1 = unbudgeted), when a budget was applied.
+        n_windows: number of budget windows.
         past_key_values: the KV cache when ``use_cache``.
+        n_uncovered: (L',) int64, when a budget was applied: budgeted tokens per MoE layer none of whose natural
+            top-k experts was in the window's budget set (``truncate`` substitutes them rather than leave them
+            with no expert output; ``substitute`` reroutes them as any other). On the target's device, no sync.
     """
 
     logits: torch.Tensor
@@ -42,6 +46,7 @@ class TargetOutput:
     window_groups: torch.Tensor | None = None
     n_windows: int = 0
     past_key_values: Any = None
+    n_uncovered: torch.Tensor | None = None
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -84,6 +89,13 @@ class FrozenTarget(nn.Module):
         self.num_experts: int = int(first_router.num_experts)
         self.top_k: int = int(first_router.top_k)
         self.moe_layer_ids: list[int] = [layer for layer, _, _ in self.routing.moe_layers]
+        self.experts_impl: str | None = None  # set by set_experts_impl (load_target); None = as the model came
+
+    def set_experts_impl(self, experts_impl: str) -> None:
+        """Run every MoE layer's experts with ``experts_impl`` (``eager`` | ``grouped_mm`` | ``batched_mm`` |
+        ``triton``), through transformers' ``ExpertsInterface``; recorded in ``self.experts_impl``."""
+        self.routing.fill_dropped_slots = set_experts_implementation(self.model, experts_impl)
+        self.experts_impl = experts_impl
 
     # ---- shapes and facts ------------------------------------------------------------------------------------
     @property
@@ -181,6 +193,7 @@ class FrozenTarget(nn.Module):
         return TargetOutput(
             logits=out.logits, aux_hidden=aux, final_hidden=final, topk_ids=topk_ids, window_groups=groups,
             n_windows=n_groups, past_key_values=out.past_key_values if use_cache else None,
+            n_uncovered=self.routing.uncovered(ctx) if budget is not None else None,
         )
 
     def _feature_hooks(self, captured: dict[str, torch.Tensor]) -> list:
@@ -251,29 +264,60 @@ def load_target(
             raise VatError(f"cannot load target `{path}`: {str(err).splitlines()[0]}") from None
     if device_map is None and not isinstance(path_or_model, nn.Module):
         model = model.to(device)
-    set_experts_implementation(model, experts_impl)
-    return FrozenTarget(model, aux_layer_ids=aux_layer_ids, path=path)
+    target = FrozenTarget(model, aux_layer_ids=aux_layer_ids, path=path)
+    target.set_experts_impl(experts_impl)
+    return target
 
 
-def set_experts_implementation(model: nn.Module, experts_impl: str) -> None:
-    """Switch the experts forward of every MoE layer through transformers' ``ExpertsInterface``."""
+# transformers' batched experts forwards (grouped_mm, batched_mm) skip the dropped-slot sentinel only when this
+# private flag of every ``@use_experts_implementation`` module is set (it marks expert parallelism); vat sets it and
+# refuses to load when the installed transformers lacks it (tests/test_budget_semantics.py checks its behaviour)
+EXPERT_PARALLEL_FLAG = "_is_expert_parallel"
+
+
+def set_experts_implementation(model: nn.Module, experts_impl: str) -> bool:
+    """Switch the experts forward of every MoE layer through transformers' ``ExpertsInterface``.
+
+    Dropped budget slots carry the sentinel id ``num_experts`` (weight 0). ``triton`` and every family's ``eager``
+    skip it; ``grouped_mm``/``batched_mm`` skip it once :data:`EXPERT_PARALLEL_FLAG` is set; GPT-OSS's ``eager``
+    cannot (its one-hot has no class for the sentinel), so its router hook fills dropped slots with a kept expert
+    at weight 0 instead (:func:`vat.target.routing.fill_dropped_slots`): the output is the same and ``eager`` really
+    runs, never swapped for another implementation.
+
+    Args:
+        model: the HF MoE causal LM.
+        experts_impl: ``eager`` | ``grouped_mm`` | ``batched_mm`` | ``triton``.
+
+    Returns:
+        Whether the router hooks must fill dropped slots (GPT-OSS ``eager``).
+    """
+    if experts_impl not in EXPERTS_IMPLS:
+        raise VatError(f"unknown experts implementation `{experts_impl}`: one of {', '.join(EXPERTS_IMPLS)}")
     name = experts_impl
     if experts_impl == "triton":
         from vat.kernels import check_triton_experts_supported, register_triton_experts
 
         name = register_triton_experts()
         check_triton_experts_supported(model)  # one clear line for a layout the kernel does not cover
-    if name == "eager" and model.config.model_type == "gpt_oss":
-        # GPT-OSS's eager experts forward cannot skip a dropped slot (its one-hot has no sentinel class);
-        # its grouped_mm path can, and it is exact on CPU too
-        name = "grouped_mm"
     model.set_experts_implementation(name)
     if name in ("grouped_mm", "batched_mm"):
-        # budgeted truncation marks dropped slots with the sentinel id num_experts; transformers' batched paths
-        # only mask sentinels when they believe they run expert-parallel
-        for module in model.modules():
-            if hasattr(module, "_is_expert_parallel"):
-                module._is_expert_parallel = True
+        _mask_sentinels(model, experts_impl)
+    return name == "eager" and model.config.model_type == "gpt_oss"
+
+
+def _mask_sentinels(model: nn.Module, experts_impl: str) -> None:
+    """Set :data:`EXPERT_PARALLEL_FLAG` on every experts module, or refuse in one line if transformers lacks it."""
+    import transformers
+
+    experts = [block.experts for _, block in adapter_for(model.config).moe_blocks(model)]
+    missing = [type(e).__name__ for e in experts if not hasattr(e, EXPERT_PARALLEL_FLAG)]
+    if missing:
+        raise VatError(
+            f"experts_impl {experts_impl}: transformers {transformers.__version__} has no `{EXPERT_PARALLEL_FLAG}` "
+            f"on {missing[0]}, so budget-dropped slots would not be skipped; use experts_impl eager or triton"
+        )
+    for module in experts:
+        setattr(module, EXPERT_PARALLEL_FLAG, True)
 
 
 def resolve_target_path(path: str) -> str:

@@ -26,6 +26,7 @@ class _ForwardContext:
     n_groups: int = 0
     capture: bool = True
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE ordinal -> (N, k)
+    uncovered: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE ordinal -> () tokens with no expert in S
 
 
 class RoutingController:
@@ -42,6 +43,10 @@ class RoutingController:
         for layer_idx, block in adapter.moe_blocks(model):
             self.moe_layers.append((layer_idx, adapter.router(block), block.experts))
         self._ctx: _ForwardContext | None = None
+        # experts forwards that cannot skip the dropped-slot sentinel (GPT-OSS's eager one-hot has no class for it)
+        # get the sentinel replaced by one of the token's own kept experts at weight 0: same output, no extra expert
+        # loaded; captures and accounting still see the sentinel
+        self.fill_dropped_slots = False
         self._handles = [
             router.register_forward_hook(self._make_hook(ordinal, layer_idx))
             for ordinal, (layer_idx, router, _) in enumerate(self.moe_layers)
@@ -56,12 +61,17 @@ class RoutingController:
             if ctx.budget is not None and ctx.groups is not None:
                 budget = ctx.budget.budget_for(layer_idx, ordinal)
                 if budget is not None:
+                    counts: dict[str, torch.Tensor] = {}
                     weights, ids = apply_budget(
                         self.adapter, router, logits, (weights, ids), ctx.groups, ctx.n_groups, budget,
-                        ctx.budget.policy,
+                        ctx.budget.policy, counts=counts,
                     )
+                    if "uncovered" in counts:
+                        ctx.uncovered[ordinal] = counts["uncovered"]
             if ctx.capture:
                 ctx.captured[ordinal] = ids.detach()
+            if self.fill_dropped_slots:
+                ids = fill_dropped_slots(ids, router.num_experts)
             return logits, weights, ids
 
         return hook
@@ -99,8 +109,35 @@ class RoutingController:
         ids = [ctx.captured[i] for i in range(len(self.moe_layers))]
         return torch.stack(ids).view(len(ids), batch, length, -1)
 
+    def uncovered(self, ctx: _ForwardContext) -> torch.Tensor | None:
+        """(L',) int64: budgeted tokens per MoE layer none of whose natural experts was in the budget set (0 for an
+        unbudgeted layer); None when nothing was budgeted."""
+        if not ctx.uncovered:
+            return None
+        zero = next(iter(ctx.uncovered.values())).new_zeros(())
+        return torch.stack([ctx.uncovered.get(i, zero) for i in range(len(self.moe_layers))])
+
     def close(self) -> None:
         """Remove every hook."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def fill_dropped_slots(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Replace each dropped slot (sentinel ``num_experts``) by the token's lowest kept expert id; its weight is 0.
+
+    For experts forwards that index a one-hot of width ``num_experts`` (GPT-OSS eager): the slot then adds
+    ``0 * expert(x)`` for an expert the token runs anyway, so the output is unchanged and no other expert is read.
+
+    Args:
+        ids: (N, k) executed ids, sentinel = dropped.
+        num_experts: E.
+
+    Returns:
+        (N, k) ids in ``[0, E)`` wherever the row keeps an expert (every budgeted row does: S is never empty and a
+        token with no natural expert in S is substituted); an all-dropped row would be left as is.
+    """
+    dropped = ids == num_experts  # (N, k)
+    first_kept = torch.where(dropped, torch.full_like(ids, num_experts), ids).min(dim=1, keepdim=True).values  # (N, 1)
+    return torch.where(dropped, first_kept.expand_as(ids), ids)
