@@ -223,6 +223,20 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __post_init__(self) -> None:
+        # tl.dot needs every tile side >= 16 and tl.arange a power of two: refuse here, not at the first compile
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value is None and name == "block_m":
+                continue
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise VatError(f"KernelConfig.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_stages < 1:
+            raise VatError(
+                f"KernelConfig needs num_warps a power of two and num_stages >= 1, got {self.num_warps}, "
+                f"{self.num_stages}"
+            )
+
 
 INTERPRETER_CONFIG = KernelConfig(block_n=128, block_k=128)
 """Large tiles: the interpreter's cost grows with programs × K-iterations."""
@@ -288,6 +302,37 @@ def expert_bytes(
     return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
+SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Expert weight dtypes the kernel runs (operands stay in this dtype on a GPU). FP8 / int experts are refused:
+their scales live outside ``gate_up_proj`` / ``down_proj`` and the kernel would silently ignore them."""
+
+
+def check_weight_dtypes(prefix: str, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+    """One :class:`VatError` line (starting with ``prefix``) unless both expert weights share a dtype in
+    :data:`SUPPORTED_WEIGHT_DTYPES`."""
+    supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_WEIGHT_DTYPES)
+    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if w.dtype not in SUPPORTED_WEIGHT_DTYPES:
+            raise VatError(
+                f"{prefix}{name} is {str(w.dtype).removeprefix('torch.')}; the Triton experts kernel runs "
+                f"{supported} expert weights — use experts_impl grouped_mm (or eager) for this target"
+            )
+    if gate_up_proj.dtype != down_proj.dtype:
+        raise VatError(
+            f"{prefix}gate_up_proj is {gate_up_proj.dtype} but down_proj is {down_proj.dtype}; the Triton experts "
+            "kernel needs one weight dtype"
+        )
+
+
+def _check_devices(tensors: dict[str, torch.Tensor | None]) -> torch.device:
+    """The common device of ``tensors`` (None entries ignored), or one :class:`VatError` line naming the odd one."""
+    device = tensors["hidden_states"].device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise VatError(f"fused_experts: {name} is on {t.device} but hidden_states is on {device}")
+    return device
+
+
 def _check_shapes(hidden_states, gate_up_proj, down_proj, topk_ids, topk_weights, layout) -> tuple[int, int, int]:
     if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
         raise VatError("gate_up_proj and down_proj must be 3-D (num_experts, out, in) tensors")
@@ -345,9 +390,17 @@ def fused_experts(
         ``(T, H)`` in ``hidden_states.dtype``.
 
     Raises:
-        VatError: CPU tensors without ``TRITON_INTERPRET=1``, inconsistent shapes, out-of-range ids, or grad required.
+        VatError: CPU tensors without ``TRITON_INTERPRET=1``, inconsistent shapes, tensors on different devices,
+            weight dtypes outside :data:`SUPPORTED_WEIGHT_DTYPES`, out-of-range ids, or grad required.
     """
     num_experts, hidden, inter = _check_shapes(hidden_states, gate_up_proj, down_proj, topk_ids, topk_weights, layout)
+    check_weight_dtypes("fused_experts: ", gate_up_proj, down_proj)
+    device = _check_devices(
+        dict(
+            hidden_states=hidden_states, gate_up_proj=gate_up_proj, down_proj=down_proj, topk_ids=topk_ids,
+            topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
+        )
+    )  # fmt: skip
     on_gpu = hidden_states.is_cuda and not INTERPRETED
     if not on_gpu and not INTERPRETED:
         raise VatError(
@@ -388,8 +441,11 @@ def fused_experts(
     act = torch.empty(num_pairs, inter, dtype=dtype, device=x.device)  # (P, I) rows of dropped pairs never read
     y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # (P, H) dropped pairs stay 0
 
-    _launch_gate_up(x, w1, b1, act, alignment, num_experts, top_k, layout, config, tuned)
-    _launch_down(act, w2, b2, flat_weights, y, alignment, num_experts, layout, config, tuned)
+    # Triton launches on the *current* CUDA device and stream: make that the tensors' own (a target split with
+    # device_map="auto" runs layers on several GPUs while the current device stays cuda:0)
+    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+        _launch_gate_up(x, w1, b1, act, alignment, num_experts, top_k, layout, config, tuned)
+        _launch_down(act, w2, b2, flat_weights, y, alignment, num_experts, layout, config, tuned)
     out = y.view(num_tokens, top_k, hidden).sum(dim=1)  # (T, H) fp32 sum over the k slots
     return out.to(hidden_states.dtype)
 

@@ -10,8 +10,9 @@ Usage (what the frozen-target loader does for ``target.experts_impl: triton``)::
 
 Supported experts modules: every ``@use_experts_implementation`` module with gated experts whose gate is the default
 ``act_fn(gate) * up`` with ``act_fn`` = SiLU (OLMoE, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3; concatenated or
-interleaved, transposed or not, with or without biases), plus GPT-OSS's clamped GLU. Anything else raises
-:class:`vat.errors.VatError` with the reason.
+interleaved, transposed or not, with or without biases), plus GPT-OSS's clamped GLU, with float32 / bfloat16 /
+float16 weights. Anything else (FP8 or otherwise quantized experts included) raises :class:`vat.errors.VatError`
+with the reason.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from vat.errors import VatError
 
-from .fused_moe import fused_experts
+from .fused_moe import check_weight_dtypes, fused_experts
 from .layout import ExpertsLayout
 
 EXPERTS_IMPL_NAME = "vat_triton"
@@ -46,6 +47,15 @@ def experts_layout(experts: nn.Module) -> ExpertsLayout:
     name = type(experts).__name__
     if not hasattr(experts, "gate_up_proj") or not getattr(experts, "has_gate", False):
         raise VatError(f"experts_impl triton: {name} has no fused gate_up_proj (non-gated experts are not supported)")
+    # dtype first: transformers' FP8Experts dispatch through their own FP8ExpertsInterface, where "vat_triton" is
+    # not registered (a KeyError at the first forward), and plain experts holding fp8 weights would run scale-free
+    check_weight_dtypes(f"experts_impl triton: {name} ", experts.gate_up_proj, experts.down_proj)
+    scales = sorted(n for n, _ in experts.named_parameters(recurse=False) if n.endswith(("scale_inv", "_scale")))
+    if scales:
+        raise VatError(
+            f"experts_impl triton: {name} is quantized ({', '.join(scales)}); the kernel runs unquantized experts only "
+            "— use experts_impl grouped_mm for this target"
+        )
     if getattr(experts, "has_post_expert_norm", False):
         raise VatError(f"experts_impl triton: {name} applies a post-expert norm, which the kernel does not implement")
     transposed = bool(getattr(experts, "is_transposed", False))
@@ -120,7 +130,7 @@ def check_triton_experts_supported(model: nn.Module) -> int:
         The number of experts modules found.
 
     Raises:
-        VatError: an unsupported experts module, or none at all.
+        VatError: an unsupported experts module (layout, activation, weight dtype, quantization), or none at all.
     """
     found = 0
     for module in model.modules():

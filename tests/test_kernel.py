@@ -368,3 +368,60 @@ def test_kernels_lower_for_hopper_and_pipeline():
     assert [i["name"] for i in infos] == ["_gate_up_act_kernel", "_down_kernel"]
     assert all(i["pipelined"] for i in infos)
     assert all(i["shared_bytes"] <= 227 * 1024 for i in infos)  # fits an H100/H200 SM
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Refusals at load time (issue 14.1): what the kernel cannot run is refused in one line before any forward
+
+
+def fp8_olmoe():
+    """A tiny OLMoE whose experts hold float8_e4m3fn weights (as a quantized checkpoint would, minus its scales)."""
+    model = tiny_model("olmoe").requires_grad_(False)
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.gate_up_proj.data = experts.gate_up_proj.data.to(torch.float8_e4m3fn)
+        experts.down_proj.data = experts.down_proj.data.to(torch.float8_e4m3fn)
+    return model
+
+
+def test_fp8_experts_are_refused_at_load():
+    with pytest.raises(VatError, match="OlmoeExperts gate_up_proj is float8_e4m3fn") as err:
+        check_triton_experts_supported(fp8_olmoe())
+    assert "\n" not in str(err.value)
+    from vat.target import load_target
+
+    with pytest.raises(VatError, match="float8_e4m3fn; the Triton experts kernel runs float32, bfloat16, float16"):
+        load_target(fp8_olmoe(), device="cpu", experts_impl="triton")
+    module = hf_experts("olmoe", 64, 32, 8, 2)
+    w1, w2 = module.gate_up_proj.to(torch.float8_e4m3fn), module.down_proj.to(torch.float8_e4m3fn)
+    with pytest.raises(VatError, match="fused_experts: gate_up_proj is float8_e4m3fn"):
+        fused_experts(torch.randn(2, 64), w1, w2, torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2))
+    with pytest.raises(VatError, match="needs one weight dtype"):
+        fused_experts(torch.randn(2, 64), module.gate_up_proj, w2.half(), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2))
+
+
+def test_transformers_fp8_experts_module_is_refused():
+    """transformers' own FP8Experts (what a fine-grained FP8 checkpoint loads into) dispatch through an interface
+    where vat_triton is not registered: refused at the check, not with a KeyError at the first forward."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers.integrations.moe import use_experts_implementation
+
+    cls = use_experts_implementation(experts_class=fp8.FP8Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    model = tiny_model("olmoe")
+    model.model.layers[1].mlp.experts = cls(config=model.config, block_size=(16, 16))
+    with pytest.raises(VatError, match="FP8Experts gate_up_proj is float8_e4m3fn"):
+        check_triton_experts_supported(model)
+
+
+@pytest.mark.parametrize("field,value", [("block_m", 8), ("block_n", 8), ("block_k", 4), ("block_k", 48)])
+def test_block_sizes_below_16_or_not_powers_of_two_are_refused(field, value):
+    with pytest.raises(VatError, match=f"KernelConfig.{field} must be a power of two >= 16"):
+        KernelConfig(**{field: value})
+    assert KernelConfig(block_m=None).block_m is None and KernelConfig(block_m=16).block_m == 16
+
+
+def test_tensors_on_different_devices_are_refused():
+    module = hf_experts("olmoe", 64, 32, 8, 2)
+    w2 = module.down_proj.to("meta")
+    with pytest.raises(VatError, match="down_proj is on meta but hidden_states is on cpu"):
+        fused_experts(torch.randn(2, 64), module.gate_up_proj, w2, torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2))
