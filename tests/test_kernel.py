@@ -397,7 +397,9 @@ def test_fp8_experts_are_refused_at_load():
     with pytest.raises(VatError, match="fused_experts: gate_up_proj is float8_e4m3fn"):
         fused_experts(torch.randn(2, 64), w1, w2, torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2))
     with pytest.raises(VatError, match="needs one weight dtype"):
-        fused_experts(torch.randn(2, 64), module.gate_up_proj, w2.half(), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2))
+        fused_experts(
+            torch.randn(2, 64), module.gate_up_proj, w2.half(), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+        )
 
 
 def test_transformers_fp8_experts_module_is_refused():

@@ -19,6 +19,7 @@ from tiny_models import FAMILIES, tiny_model
 from vat.kernels.fused_moe import KernelConfig, fused_experts, record_experts_read
 from vat.kernels.reference import fused_experts_reference
 from vat.kernels.registry import experts_layout
+
 from vat.target.budget import BudgetSpec, apply_budget, window_groups
 from vat.target.families import adapter_for
 
@@ -151,10 +152,7 @@ def test_library_budget_per_window_in_a_batch(family):
 # ---------------------------------------------------------------------------------------------------------------------
 # End to end: load_target(experts_impl="triton") + FrozenTarget.forward(budget=...) against the eager target
 
-TARGET_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # vat.target maps GPT-OSS eager to another impl
-
-
-@pytest.mark.parametrize("family", TARGET_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_budgeted_target_forward_through_the_hook(family):
     """One 48-token window (P = 192 pairs per layer): B < k and k < B < union, both policies; logits equal the
     eager target's, executed ids are identical, and each kernel call reads exactly the executed experts."""

@@ -1,4 +1,5 @@
-"""The compiled Triton kernel on a CUDA device: bf16 at real expert dims, fp32 exactness, int64 expert offsets.
+"""The compiled Triton kernel on a CUDA device: bf16 at real expert dims, fp32 exactness, int64 expert and row
+offsets, launches on the tensors' own device (two-GPU tests skip on one GPU).
 
 Run in its own process with the interpreter off (conftest.py turns it on by default)::
 
@@ -29,11 +30,11 @@ def _compiled_kernels():
         pytest.fail("vat.kernels was imported under TRITON_INTERPRET=1: run these tests with TRITON_INTERPRET=0")
 
 
-def weights(dims: dict, dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def weights(dims: dict, dtype: torch.dtype, seed: int = 0, device: str = "cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = dims["num_experts"], dims["hidden"], dims["inter"]
-    w1 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5).to(dtype)  # (E, 2I, H)
-    w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5).to(dtype)  # (E, H, I)
+    w1 = (torch.randn(e, 2 * i, h, device=device, generator=gen) * h**-0.5).to(dtype)  # (E, 2I, H)
+    w2 = (torch.randn(e, h, i, device=device, generator=gen) * i**-0.5).to(dtype)  # (E, H, I)
     return w1, w2
 
 
@@ -138,6 +139,61 @@ def test_expert_offsets_past_int32():
     assert_bf16_close(out, fused_experts_reference(x, w1, w2, ids, w).float())
     del w1, w2
     torch.cuda.empty_cache()
+
+
+def test_down_store_past_int32_at_real_size():
+    """T·k·H > 2**31 with DeepSeek-V3's hidden size (37.5 k tokens, top-8): the down kernel's fp32 output rows of the
+    last tokens start past 2**31 elements. int32 offsets wrote them ~8 GiB before ``y`` (corrupting memory)."""
+    dims = dict(hidden=7168, inter=256, num_experts=8, top_k=8, norm=True)  # I reduced: the offsets do not use it
+    tokens = 2**31 // (dims["top_k"] * dims["hidden"]) + 96  # (T·k - 1)·H > 2**31
+    w1, w2 = weights(dims, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, dims["hidden"], device="cuda", generator=gen).bfloat16()  # (T, H)
+    ids, w = routing(torch.randn(tokens, 8, device="cuda", generator=gen), 8, True)
+    out = fused_experts(x, w1, w2, ids, w.bfloat16())  # y: (T·k, H) fp32, 8.6 GB
+    assert (tokens * dims["top_k"] - 1) * dims["hidden"] > 2**31
+    tail = slice(tokens - 160, tokens)  # tokens whose pair rows start beyond 2**31 elements
+    assert_bf16_close(out[tail], fused_experts_reference(x[tail], w1, w2, ids[tail], w[tail].bfloat16()).float())
+    head = slice(0, 64)
+    assert_bf16_close(out[head], fused_experts_reference(x[head], w1, w2, ids[head], w[head].bfloat16()).float())
+    del out, x
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_launches_on_the_tensors_device():
+    """Tensors on cuda:1 while the current device is cuda:0 (a device_map="auto" split): the kernel must launch on
+    cuda:1 and its output match the reference there."""
+    dims = dict(hidden=512, inter=256, num_experts=16, top_k=4, norm=True)
+    torch.cuda.set_device(0)
+    w1, w2 = weights(dims, torch.bfloat16, device="cuda:1")
+    x = torch.randn(24, 512, device="cuda:1").bfloat16()
+    ids, w = routing(torch.randn(24, 16, device="cuda:1"), 4, True, 6, "truncate")
+    out = fused_experts(x, w1, w2, ids, w.bfloat16())
+    assert out.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+    assert_bf16_close(out, fused_experts_reference(x, w1, w2, ids, w.bfloat16()).float())
+    out = fused_experts(x.float(), w1.float(), w2.float(), ids, w, config=KernelConfig(block_n=64, block_k=32))
+    torch.testing.assert_close(out, fused_experts_reference(x.float(), w1.float(), w2.float(), ids, w))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tiny_model_split_across_two_gpus_matches_eager():
+    accelerate = pytest.importorskip("accelerate")
+    from tiny_models import tiny_model
+    from vat.kernels.registry import register_triton_experts
+
+    name = register_triton_experts()
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+                  "model.norm": 1, "lm_head": 1}  # fmt: skip
+    model = accelerate.dispatch_model(tiny_model("qwen3_moe"), device_map=device_map)
+    torch.cuda.set_device(0)
+    input_ids = torch.randint(3, 128, (2, 9), device="cuda:0")
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        expected = model(input_ids).logits
+        model.set_experts_implementation(name)
+        got = model(input_ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -96,7 +96,9 @@ def probe_pair_rows() -> dict:
 def _run_probe(name: str) -> dict:
     """Run ``probe_<name>`` in a fresh interpreter-mode process; its JSON result, or a failure with its stderr."""
     code = f"import json, test_kernel_offsets as t; print(json.dumps(t.probe_{name}()))"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")])
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         pytest.fail(f"probe {name} exited with {proc.returncode} (a wrapped int32 offset?):\n{proc.stderr[-2000:]}")
