@@ -82,6 +82,7 @@ FLAGS = [
     dict(norm_before_residual=True, fc_norm=True, verification_head=True),
     dict(norm_before_fc=True, verification_head=True, num_key_value_heads=4),
     dict(verification_head=True, vh_input="prenorm"),
+    dict(norm_output=True, norm_before_residual=True, norm_before_fc=True, verification_head=True, sliding_window=4),
 ]
 
 
@@ -90,7 +91,7 @@ FLAGS = [
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags", FLAGS, ids=["default", "nbr_fcnorm_vh", "nbfc_mha_vh", "vh_prenorm"])
+@pytest.mark.parametrize("flags", FLAGS, ids=["default", "nbr_fcnorm_vh", "nbfc_mha_vh", "vh_prenorm", "normout_swa"])
 def test_ttt_forward_matches_per_position_reference_with_padding(flags):
     cfg = tiny_config(**flags)
     model = make_model(cfg)
@@ -189,7 +190,11 @@ def test_forward_without_embedding_is_a_clear_error():
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags", FLAGS[:2], ids=["default", "nbr_fcnorm_vh"])
+@pytest.mark.parametrize(
+    "flags",
+    [*FLAGS[:2], dict(norm_output=True, verification_head=True), dict(sliding_window=16, norm_output=True)],
+    ids=["default", "nbr_fcnorm_vh", "normout_vh", "wide_window"],
+)
 def test_draft_chain_matches_ttt_teacher_forced_on_drafted_tokens(flags):
     K = 4
     model = make_model(tiny_config(ttt_steps=K, **flags))

@@ -89,12 +89,15 @@ def same_logits(a: Eagle3Drafter, b: Eagle3Drafter) -> None:
 
 @pytest.fixture
 def trained(tmp_path):
-    """A draft with a verification head and target_hidden_size != hidden_size, saved as a vat checkpoint."""
+    """A draft with a verification head and target_hidden_size != hidden_size, saved as a vat checkpoint; its target
+    directory holds a config and the input embedding (what a speculators export ships)."""
     cfg = tiny_config(verification_head=True, target_path=str(tmp_path / "target"))
     os.makedirs(tmp_path / "target")
     with open(tmp_path / "target" / "config.json", "w") as f:
         json.dump({"architectures": ["OlmoeForCausalLM"]}, f)
     model = make_model(cfg)
+    save_file({"model.embed_tokens.weight": model.embed_tokens.weight.contiguous(), "lm_head.weight": torch.zeros(V, H)},
+              str(tmp_path / "target" / "model.safetensors"))
     ckpt = save_draft(model, cfg, str(tmp_path / "ckpt"))
     return model, ckpt, tmp_path
 
@@ -251,8 +254,10 @@ def test_speculators_export_every_key(trained):
         "torch_dtype": "float32",
     }
     assert vat_block["aux_layer_ids"] == [1, 3, 4]  # labelled vat ids next to the vLLM ones
-    weights = keys_of(os.path.join(out, "model.safetensors"))
-    assert weights == set(TOP) | {f"layers.0.{k}" for k in MIDLAYER}
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    assert set(weights) == set(TOP) | {f"layers.0.{k}" for k in MIDLAYER} | {"embed_tokens.weight"}
+    # the target's table, read from the target directory (speculators' from_pretrained zero-fills a missing one)
+    assert torch.equal(weights["embed_tokens.weight"], model.embed_tokens.weight)
     assert keys_of(os.path.join(out, "verification_head.safetensors")) == {
         "verification_head.weight",
         "verification_head.bias",

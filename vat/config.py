@@ -108,6 +108,8 @@ class TrainConfig:
     keep_last: int = 3
     max_nonfinite: int = 10  # consecutive non-finite losses before the run stops
     stop_after: Optional[int] = None  # stop (as if killed) after this step, without writing final/ (resume tests)
+    init_from: Optional[str] = None  # start from this EAGLE-3 draft (vat / SGLang / speculators dir): its architecture
+    # and draft vocab replace drafter.* and data.vocab; the recipe's losses, ttt_steps and verification head apply
 
 
 @dataclass

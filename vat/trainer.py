@@ -85,8 +85,7 @@ class Trainer:
 
         self.target = load_target(
             cfg.target.path, dtype=cfg.target.dtype, device=self.device, experts_impl=cfg.target.experts_impl,
-            aux_layer_ids=list(cfg.target.aux_layer_ids) if cfg.target.aux_layer_ids is not None else None,
-            device_map=cfg.target.device_map,
+            aux_layer_ids=self._aux_layer_ids(), device_map=cfg.target.device_map,
         )
         self._setup_data()
         self._setup_drafter()
@@ -96,6 +95,16 @@ class Trainer:
         if self.is_main:
             with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(cfg))
+
+    def _aux_layer_ids(self) -> list[int] | None:
+        """The target layers to capture: ``target.aux_layer_ids``, else an imported draft's, else EAGLE-3's default."""
+        if self.cfg.target.aux_layer_ids is not None:
+            return list(self.cfg.target.aux_layer_ids)
+        if self.cfg.train.init_from:
+            from vat.export.init_from import source_aux_layer_ids
+
+            return source_aux_layer_ids(self.cfg.train.init_from)
+        return None
 
     def _setup_data(self) -> None:
         from vat.defaults import TINY_DATA_NAMES, ensure_draft_vocab, resolve_train_data
@@ -119,7 +128,9 @@ class Trainer:
         )
         self.batches_per_epoch = len(self.batches)
         vocab_path = cfg.data.vocab
-        if vocab_path is None:
+        if cfg.train.init_from:  # the imported draft brings its own vocabulary
+            vocab_path = cfg.train.init_from
+        elif vocab_path is None:
             cache = os.path.join(cfg.output_dir, "vocab")
             if self.is_main:
                 ensure_draft_vocab(data_path, self.target.vocab_size, cfg.drafter.draft_vocab_size, cache)
@@ -130,6 +141,37 @@ class Trainer:
         self.pad_id = int(tokenizer_pad) if tokenizer_pad is not None else 0
 
     def _setup_drafter(self) -> None:
+        """A new draft from the recipe, or an imported one (``train.init_from``), with its vocabulary lookups."""
+        drafter = self._import_drafter() if self.cfg.train.init_from else self._new_drafter()
+        self.draft_config = drafter.config
+        self.drafter = drafter.to(self.device)
+        d2t = drafter.d2t.cpu()
+        # absolute target ids of the draft vocab: used[i] = i + d2t[i]
+        self.draft_to_target = (torch.arange(d2t.shape[0]) + d2t).to(self.device)
+        self.target_to_draft = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
+        self.target_to_draft[self.draft_to_target.cpu()] = torch.arange(d2t.shape[0])
+        self.target_to_draft = self.target_to_draft.to(self.device)
+
+    def _import_drafter(self):
+        """``train.init_from``: the source's architecture and weights, the recipe's TTT unroll and verification head."""
+        from vat.export.init_from import init_draft_from
+
+        cfg, target = self.cfg, self.target
+        drafter = init_draft_from(
+            cfg.train.init_from, target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
+            num_target_layers=target.num_layers, aux_layer_ids=list(target.aux_layer_ids),
+            embed_weight=target.embed_tokens().weight.detach(), verification_head=bool(cfg.drafter.verification_head),
+            vh_input=cfg.drafter.vh_input, ttt_steps=cfg.drafter.ttt_steps, target_path=target.path or str(cfg.target.path),
+        )
+        if self.is_main:
+            c = drafter.config
+            print(f"[vat] init_from {cfg.train.init_from}: hidden {c.hidden_size}, draft vocab {c.draft_vocab_size}, "
+                  f"norm_before_residual={c.norm_before_residual} norm_before_fc={c.norm_before_fc} fc_norm={c.fc_norm} "
+                  f"norm_output={c.norm_output} sliding_window={c.sliding_window} (drafter.* architecture keys unused)")
+        return drafter
+
+    def _new_drafter(self):
+        """A freshly initialised draft sized from the target and the recipe's ``drafter.*`` keys."""
         from vat.data_prep.vocab import load_draft_vocab
         from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter, check_draft_matches_target
 
@@ -147,17 +189,12 @@ class Trainer:
                 overrides[key] = cfg.drafter[key]
         if cfg.drafter.hidden_size is not None and cfg.drafter.num_attention_heads is not None:
             overrides["head_dim"] = cfg.drafter.hidden_size // cfg.drafter.num_attention_heads
-        self.draft_config = Eagle3Config.for_target(target.config, **overrides)
-        check_draft_matches_target(self.draft_config, target.hidden_size, target.vocab_size, target.num_layers)
+        draft_config = Eagle3Config.for_target(target.config, **overrides)
+        check_draft_matches_target(draft_config, target.hidden_size, target.vocab_size, target.num_layers)
         torch.manual_seed(self.cfg.seed)
-        drafter = Eagle3Drafter(self.draft_config, embed_weight=target.embed_tokens().weight.detach())
+        drafter = Eagle3Drafter(draft_config, embed_weight=target.embed_tokens().weight.detach())
         drafter.set_vocab_mapping(d2t, t2d)
-        self.drafter = drafter.to(self.device)
-        # absolute target ids of the draft vocab: used[i] = i + d2t[i]
-        self.draft_to_target = (torch.arange(d2t.shape[0]) + d2t).to(self.device)
-        self.target_to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long)
-        self.target_to_draft[self.draft_to_target.cpu()] = torch.arange(d2t.shape[0])
-        self.target_to_draft = self.target_to_draft.to(self.device)
+        return drafter
 
     def _setup_losses(self) -> None:
         from vat.affinity import OnlineAffinity

@@ -9,9 +9,12 @@ Architecture (DESIGN §4.1; identical to EAGLE / SpecForge / SGLang ``LlamaForCa
         e = embed(token)                                  # frozen copy of the target's embedding
         x = cat(input_layernorm(e), hidden_norm(g))       # (B, T, 2H)     embedding FIRST
         h = r + o_proj(attn(q/k/v_proj(x)))               # r = g, or hidden_norm(g) when norm_before_residual
-        h = h + mlp(post_attention_layernorm(h))          # pre-norm hidden: fed to the next step, and to the VH
+        h = h + mlp(post_attention_layernorm(h))          # pre-norm hidden
         logits = lm_head(norm(h))                         # (B, T, V_d)    draft vocabulary
-        g = h
+        g = h, or norm(h) when norm_output                # the recurrent state fed to step k+1
+    attention: causal over the prefix (within ``sliding_window`` when set) + the anchor's own chain
+
+Every flag computes what speculators' ``Eagle3DraftModel`` computes (``docs/export.md`` §5).
 
 State-dict names are SGLang's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``; plus ``input_norm`` /
 ``fc_norm.{i}`` when enabled and ``verification_head.*``), so exporting is a rename at most. The embedding is a
@@ -24,8 +27,6 @@ Aux-layer ids are in **vat's convention: 0-indexed decoder-layer outputs** (``hi
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -34,175 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vat.drafters.common import RMSNorm, SwiGLUMLP, apply_rope, masked_attention, rope_cos_sin
+from vat.drafters.common import RMSNorm, masked_attention, rope_cos_sin
+from vat.drafters.eagle3_config import NUM_AUX_LAYERS, VH_INPUTS, Eagle3Config, check_draft_matches_target
+from vat.drafters.eagle3_layer import Eagle3Attention, Eagle3DecoderLayer, FrozenEmbedding
 from vat.errors import VatError
 from vat.target.conventions import default_aux_layer_ids
 
-NUM_AUX_LAYERS = 3
-VH_INPUTS = ("normed", "prenorm")
 # the verification head starts as the constant prior P(accept) = 0.2 (zero weight): before it has learned anything
 # it sends no gradient into the draft body, and its BCE starts near the entropy of a typical acceptance rate
 VH_PRIOR = 0.2
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Config
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Eagle3Config:
-    """Everything that defines an EAGLE-3 draft head and the target it was built for.
-
-    ``to_dict`` / ``from_dict`` round-trip through JSON; ``from_dict`` rejects unknown keys (naming the closest).
-    ``head_dim`` and ``target_hidden_size`` left at ``None`` resolve in ``__post_init__``.
-    """
-
-    hidden_size: int = 4096  # draft hidden size H
-    intermediate_size: int = 14336  # dense SwiGLU width of the draft MLP
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 8
-    head_dim: int | None = None  # None = hidden_size // num_attention_heads
-    target_hidden_size: int | None = None  # H_t of the aux features; None = hidden_size
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0  # default (unscaled) RoPE only
-    max_position_embeddings: int = 4096  # written to serving configs; no effect on vat's forward
-    vocab_size: int = 32000  # TARGET vocabulary (embedding rows, t2d length)
-    draft_vocab_size: int = 32000  # lm_head rows, d2t length
-    aux_layer_ids: list[int] | None = None  # vat convention: 0-indexed layer OUTPUTS; None = EAGLE-3 default
-    num_target_layers: int | None = None  # the target's decoder layers (validation, default aux ids)
-    norm_before_residual: bool = False  # residual from hidden_norm(g) instead of g (speculators / vLLM option)
-    norm_before_fc: bool = False  # one RMSNorm over the 3*H_t concat before fc (speculators "gpt-oss style")
-    fc_norm: bool = False  # one RMSNorm per aux chunk before fc ("EAGLE 3.1"); exclusive with norm_before_fc
-    verification_head: bool = False  # Linear(H -> 1) + sigmoid at every step: P(this draft position is accepted)
-    vh_input: str = "normed"  # the VH reads norm(h) (what lm_head reads) | "prenorm" h (checkpoints before it existed)
-    ttt_steps: int = 7  # default TTT unroll K (also the speculative_tokens written to speculators configs)
-    target_path: str | None = None  # the target this draft was trained for
-    pad_token_id: int = 0  # token fed at teacher-forced positions past the end of a row
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.target_hidden_size is None:
-            self.target_hidden_size = self.hidden_size
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise VatError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.head_dim % 2:
-            raise VatError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.norm_before_fc and self.fc_norm:
-            raise VatError(
-                "norm_before_fc and fc_norm are mutually exclusive (one norm before fc, or one per aux layer)"
-            )
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise VatError(f"draft_vocab_size ({self.draft_vocab_size}) must be in 1..vocab_size ({self.vocab_size})")
-        if self.aux_layer_ids is not None:
-            self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-            if len(self.aux_layer_ids) != NUM_AUX_LAYERS:
-                raise VatError(
-                    f"EAGLE-3 takes exactly {NUM_AUX_LAYERS} aux layers, got aux_layer_ids={self.aux_layer_ids}"
-                )
-        if self.aux_layer_ids is None and self.num_target_layers is not None:
-            self.aux_layer_ids = default_aux_layer_ids(self.num_target_layers)
-        if self.ttt_steps < 1:
-            raise VatError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
-        if self.vh_input not in VH_INPUTS:
-            raise VatError(f"vh_input must be one of {', '.join(VH_INPUTS)}, got {self.vh_input!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable dict of every field."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Eagle3Config:
-        """Build from :meth:`to_dict` output; an unknown key raises :class:`VatError` naming the closest field."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in names:
-                close = difflib.get_close_matches(key, names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise VatError(f"unknown Eagle3Config key {key!r}{hint}")
-        if "vh_input" not in data:  # written before the key existed: the head read the pre-norm residual
-            data = {**data, "vh_input": "prenorm"}
-        return cls(**data)
-
-    @classmethod
-    def for_target(cls, target_config: Any, **overrides: Any) -> Eagle3Config:
-        """A draft config sized from a transformers target config (dims, heads, RoPE, vocab, default aux ids).
-
-        The draft MLP is dense: the target's ``intermediate_size`` when it is a dense width (>= 2 * hidden, as in
-        Qwen-MoE / DeepSeek configs), otherwise (per-expert widths such as OLMoE's) ``4 * hidden_size``.
-
-        Args:
-            target_config: the target's ``PretrainedConfig`` (text config for multimodal models).
-            **overrides: any :class:`Eagle3Config` field, e.g. ``draft_vocab_size=32000``.
-        """
-        tc = getattr(target_config, "text_config", None) or target_config
-        hidden = tc.hidden_size
-        inter = getattr(tc, "intermediate_size", None) or 4 * hidden
-        if inter < 2 * hidden:
-            inter = 4 * hidden
-        rope = getattr(tc, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-        theta = theta or getattr(tc, "rope_theta", None) or 10000.0
-        heads = tc.num_attention_heads
-        values: dict[str, Any] = dict(
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or hidden // heads,
-            target_hidden_size=hidden,
-            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
-            vocab_size=tc.vocab_size,
-            draft_vocab_size=min(32000, tc.vocab_size),
-            num_target_layers=tc.num_hidden_layers,
-            target_path=getattr(tc, "_name_or_path", None) or None,
-            pad_token_id=getattr(tc, "pad_token_id", None) or 0,
-        )
-        values.update(overrides)
-        return cls(**values)
-
-
-def check_draft_matches_target(
-    cfg: Eagle3Config, target_hidden_size: int, target_vocab_size: int, num_target_layers: int
-) -> list[int]:
-    """Stop at once, with one clear line, when a draft was built for another target (DESIGN §10).
-
-    Args:
-        cfg: the draft's config.
-        target_hidden_size: hidden size of the target about to feed it.
-        target_vocab_size: the target's vocabulary size (embedding rows / logits width).
-        num_target_layers: the target's number of decoder layers.
-
-    Returns:
-        The aux-layer ids to capture (vat convention), resolved to the EAGLE-3 default when the config has none.
-
-    Raises:
-        VatError: hidden size, vocabulary size or layer count differs, or an aux layer is out of range.
-    """
-    where = f" (draft trained for {cfg.target_path})" if cfg.target_path else ""
-    if cfg.target_hidden_size != target_hidden_size:
-        raise VatError(
-            f"draft expects target hidden size {cfg.target_hidden_size}, this target has {target_hidden_size}{where}"
-        )
-    if cfg.vocab_size != target_vocab_size:
-        raise VatError(f"draft expects target vocab size {cfg.vocab_size}, this target has {target_vocab_size}{where}")
-    if cfg.num_target_layers is not None and cfg.num_target_layers != num_target_layers:
-        raise VatError(
-            f"draft expects a target with {cfg.num_target_layers} layers, this target has {num_target_layers}{where}"
-        )
-    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else default_aux_layer_ids(num_target_layers)
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
-    if bad:
-        raise VatError(
-            f"draft aux layers {ids} (0-indexed layer outputs) out of range for a {num_target_layers}-layer target: {bad}"
-        )
-    return list(ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -324,84 +165,14 @@ def ttt_valid_mask(attention_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor
     return valid & real.unsqueeze(-1)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Modules
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-class FrozenEmbedding(nn.Module):
-    """The target's token embedding, frozen and shared (the tensor is not copied).
-
-    :class:`Eagle3Drafter` holds it *unregistered*: it is not a parameter, not a buffer and never in ``state_dict()``
-    (so never saved), and ``.to()`` / DDP / FSDP on the draft leave it alone: it stays on the target's device and dtype,
-    and looked-up rows are moved to the draft's device and dtype.
-    """
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.register_buffer("weight", weight.detach(), persistent=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids.to(self.weight.device), self.weight)
-
-
-class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v projections read the 2H-wide ``cat(embed, hidden)`` input."""
-
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-
-    def qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, T, 2H) -> rotated q (B, nh, T, hd), rotated k (B, nkv, T, hd), v (B, nkv, T, hd)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-class Eagle3DecoderLayer(nn.Module):
-    """The single EAGLE-3 decoder layer (``midlayer``), split in two halves around attention so the TTT and
-    KV-cache paths share every projection and norm."""
-
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.norm_before_residual = cfg.norm_before_residual
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Eagle3Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
-
-    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T, H) embeddings and hidden -> attention input (B, T, 2H) and the residual (B, T, H)."""
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
-
-    def output(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Attention output (B, nh, T, hd) + residual (B, T, H) -> pre-norm hidden (B, T, H)."""
-        B, _, T, _ = attn.shape
-        h = residual + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 @dataclass
 class Eagle3TTTOutput:
     """Result of :meth:`Eagle3Drafter.ttt_forward`; index ``[b, t, k]`` = anchor t, TTT step k.
 
     Attributes:
         logits: (B, T, K, V_d) draft logits; step k at anchor t predicts token t+2+k (target logits index t+1+k).
-        hidden: (B, T, K, H) pre-norm hidden states (what feeds step k+1 and the verification head).
+        hidden: (B, T, K, H) the recurrent state that feeds step k+1: the pre-norm hidden h, or ``norm(h)`` when
+            ``norm_output``.
         vh_logits: (B, T, K) verification-head logits (apply sigmoid), or None without a head.
     """
 
@@ -415,7 +186,7 @@ class Eagle3StepOutput:
     """Result of :meth:`Eagle3Drafter.step` for n new entries.
 
     Attributes:
-        hidden: (B, n, H) pre-norm hidden states.
+        hidden: (B, n, H) the recurrent state (pre-norm hidden, or ``norm(h)`` when ``norm_output``).
         logits: (B, n, V_d) draft logits.
         vh_logits: (B, n) verification-head logits, or None.
     """
@@ -568,8 +339,21 @@ class Eagle3Drafter(nn.Module):
         """Pre-norm hidden (…, H) -> draft logits (…, V_d)."""
         return self.lm_head(self.norm(hidden))
 
-    def _vh(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return None if self.verification_head is None else self.verification_logits(hidden)
+    def readout(
+        self, hidden: torch.Tensor, vh_detach: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The layer's pre-norm output h (…, H) -> (recurrent state (…, H), logits (…, V_d), VH logits (…,) or None).
+
+        The state fed to the next step is h, or ``norm(h)`` when ``norm_output`` (speculators: "feed post-norm hidden
+        states back across TTT steps"); the logits read ``norm(h)`` either way, so they do not depend on the flag.
+        """
+        normed = self.norm(hidden)
+        state = normed if self.config.norm_output else hidden
+        vh = None
+        if self.verification_head is not None:
+            x = normed if self.config.vh_input == "normed" else hidden
+            vh = self.verification_head(x.detach() if vh_detach else x).squeeze(-1)
+        return state, self.lm_head(normed), vh
 
     @torch.no_grad()
     def reset_verification_head(self) -> None:
@@ -614,13 +398,16 @@ class Eagle3Drafter(nn.Module):
 
         * Step 0 at anchor t consumes ``fc(aux_t)`` and the embedding of token t+1 and predicts token t+2: compare
           ``logits[:, t, 0]`` with the target distribution at logits index t+1.
-        * Step k consumes the draft's own pre-norm hidden state at (t, k-1) and the teacher-forced token t+1+k, and
+        * Step k consumes the draft's own state at (t, k-1) (pre-norm h, or norm(h) when ``norm_output``) and the teacher-forced token t+1+k, and
           predicts token t+2+k (target logits index t+1+k). Tokens past the end of a row are ``pad_token_id``
           (mask those steps with :func:`ttt_valid_mask`; align targets with :func:`shift_for_ttt`).
         * Attention of query (t, k): the step-0 keys (s, 0) for s <= t whose ``attention_mask`` is 1 (causal over the
           real prefix; (t, 0) itself is always allowed so padded queries stay finite), plus the diagonal keys
           (t, j) for 1 <= j <= k (its own chain, including itself). Implemented as SDPA over the concatenation of
-          the per-step keys with a (T, (k+1)T) boolean mask.
+          the per-step keys with a (T, (k+1)T) boolean mask. With ``sliding_window`` W the step-0 keys are further
+          limited to t - s < W (speculators' training mask, by anchor index); the chain keys always stay. The
+          KV-cache path (:meth:`step`) windows by RoPE position instead, as serving engines do, so for k > 0 the two
+          differ only at the window's edge (k keys of a W-long prefix).
         * RoPE positions (SpecForge): queries and keys of step k are rotated at ``position_ids + k``
           (default ``position_ids = arange(T)``), so step-0 keys keep position s and (t, j) sits at t + j — exactly
           the positions the KV-cache inference path gives the same entries.
@@ -646,6 +433,9 @@ class Eagle3Drafter(nn.Module):
 
         eye = torch.eye(T, dtype=torch.bool, device=device)
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        if self.config.sliding_window is not None:  # speculators: kv > q - window over the step-0 block
+            idx = torch.arange(T, device=device)
+            causal = causal & ((idx[:, None] - idx[None, :]) < self.config.sliding_window)
         block0 = causal & (attention_mask.bool()[:, None, :] | eye)  # (B, T, T) step-0 keys
         diag = eye.expand(B, T, T)
 
@@ -664,11 +454,11 @@ class Eagle3Drafter(nn.Module):
             if k > 0:
                 mask = torch.cat([mask, diag], dim=-1)  # (B, T, (k+1)T)
             attn = masked_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask.unsqueeze(1))
-            hidden = self.midlayer.output(attn, residual)  # (B, T, H) pre-norm; feeds step k+1
-            hiddens.append(hidden)
-            logits.append(self.compute_logits(hidden))  # (B, T, V_d)
-            if self.verification_head is not None:
-                vh.append(self.verification_logits(hidden, detach=vh_detach))  # (B, T)
+            hidden, step_logits, step_vh = self.readout(self.midlayer.output(attn, residual), vh_detach)
+            hiddens.append(hidden)  # (B, T, H) the state that feeds step k+1
+            logits.append(step_logits)  # (B, T, V_d)
+            if step_vh is not None:
+                vh.append(step_vh)  # (B, T)
         return Eagle3TTTOutput(
             logits=torch.stack(logits, dim=2),  # (B, T, K, V_d)
             hidden=torch.stack(hiddens, dim=2),  # (B, T, K, H)
@@ -741,9 +531,12 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self._rope(position_ids)
         q, key, value = self.midlayer.self_attn.qkv(x, cos, sin)
         cache.append(key, value, input_mask, position_ids)
+        if self.config.sliding_window is not None:  # serving engines window by position: q_pos - k_pos < window
+            window = (position_ids[:, :, None] - cache.positions[:, None, :]) < self.config.sliding_window
+            attention_mask = (attention_mask & window) | self_slot  # (B, n, S + n)
         attn = masked_attention(q, cache.key, cache.value, attention_mask.unsqueeze(1))  # (B, nh, n, hd)
-        out = self.midlayer.output(attn, residual)  # (B, n, H)
-        return Eagle3StepOutput(hidden=out, logits=self.compute_logits(out), vh_logits=self._vh(out))
+        hidden, logits, vh = self.readout(self.midlayer.output(attn, residual))  # (B, n, H), (B, n, V_d), (B, n)
+        return Eagle3StepOutput(hidden=hidden, logits=logits, vh_logits=vh)
 
     @torch.no_grad()
     def draft_chain(
@@ -870,7 +663,12 @@ def ttt_reference_forward(
     for b in range(B):
         for t in range(T):
             # Step-0 keys of the real prefix s <= t (the anchor's own entry always).
-            prefix = [entry(g0[b, s], token(b, s + 1), s) for s in range(t + 1) if attention_mask[b, s] or s == t]
+            window = cfg.sliding_window or T + 1
+            prefix = [
+                entry(g0[b, s], token(b, s + 1), s)
+                for s in range(t + 1)
+                if (attention_mask[b, s] or s == t) and t - s < window
+            ]
             chain: list[tuple[torch.Tensor, torch.Tensor]] = []
             g = g0[b, t]
             for k in range(K):
@@ -884,16 +682,21 @@ def ttt_reference_forward(
                     scores = (ks[:, h // groups] @ q[h]) * scale  # (S,)
                     heads.append(torch.softmax(scores, dim=0) @ vs[:, h // groups])  # (hd,)
                 attn = torch.stack(heads)[None, :, None]  # (1, nh, 1, hd)
-                g = layer.output(attn, residual[None, None])[0, 0]  # (H,)
+                h = layer.output(attn, residual[None, None])[0, 0]  # (H,) pre-norm
+                g = model.norm(h) if cfg.norm_output else h  # the state fed to the next step
                 hiddens[b, t, k] = g
-                logits[b, t, k] = model.compute_logits(g)
+                logits[b, t, k] = model.compute_logits(h)
                 if model.verification_head is not None:
-                    vh[b, t, k] = model.verification_head(model.norm(g) if cfg.vh_input == "normed" else g)[0]
+                    vh[b, t, k] = model.verification_head(model.norm(h) if cfg.vh_input == "normed" else h)[0]
     return Eagle3TTTOutput(logits=logits, hidden=hiddens, vh_logits=vh if model.verification_head is not None else None)
 
 
 __all__ = [
+    "NUM_AUX_LAYERS",
+    "VH_INPUTS",
+    "Eagle3Attention",
     "Eagle3Config",
+    "Eagle3DecoderLayer",
     "Eagle3Draft",
     "Eagle3Drafter",
     "Eagle3KVCache",

@@ -1,7 +1,12 @@
-"""Draft checkpoints (vat format) and exporters / importers for SGLang and vLLM speculators (``docs/export.md``)."""
+"""Draft checkpoints (vat format) and exporters / importers for SGLang and vLLM speculators (``docs/export.md``).
 
-from vat.export.checkpoint import detect_format, load_draft, save_draft
+Importing this package registers every layout with :mod:`vat.export.checkpoint` (each layout module depends on that
+one module only), so :func:`load_draft` reads all of them.
+"""
+
+from vat.export.checkpoint import detect_format, load_draft, read_draft_config, save_draft
 from vat.export.cli import export_draft
+from vat.export.init_from import init_draft_from
 from vat.export.sglang import export_sglang, sglang_config_dict
 from vat.export.speculators import export_speculators, speculators_config_dict
 from vat.target.conventions import (
@@ -19,7 +24,9 @@ __all__ = [
     "export_draft",
     "export_sglang",
     "export_speculators",
+    "init_draft_from",
     "load_draft",
+    "read_draft_config",
     "save_draft",
     "sglang_config_dict",
     "sglang_to_vat_aux_ids",

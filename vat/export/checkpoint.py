@@ -1,4 +1,5 @@
-"""vat's draft checkpoint directory, and format detection for loading any EAGLE-3 draft back into vat.
+"""The one module every draft layout depends on: file IO, the Llama-style config pieces, the ``vat`` block, vat's own
+checkpoint layout, the format registry and :func:`load_draft`.
 
 A vat EAGLE-3 checkpoint directory (written by the trainer through :func:`save_draft`)::
 
@@ -9,8 +10,9 @@ A vat EAGLE-3 checkpoint directory (written by the trainer through :func:`save_d
     verification_head.safetensors   verification_head.weight (1, H), verification_head.bias (1,) -- when the draft
                                     has a verification head
 
-:func:`load_draft` reads that, an SGLang export (``LlamaForCausalLMEagle3``) or a speculators export
-(``speculators_model_type: eagle3``) and returns the same :class:`Eagle3Drafter`. See ``docs/export.md``.
+Dependencies run one way: :mod:`vat.export.sglang` and :mod:`vat.export.speculators` import this module and register
+their layout here (:func:`register_format`); this module imports neither. ``vat.export`` imports both, so every
+layout is registered before anything can call :func:`load_draft`. See ``docs/export.md``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ from vat.target.conventions import (
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 VH_FILE = "verification_head.safetensors"
+EMBED_KEY = "embed_tokens.weight"  # speculators' name for the (target's) input embedding
 VAT_FORMAT_VERSION = 1
 # config.json keys of a vat checkpoint that are labels, not Eagle3Config fields.
 VAT_LABEL_KEYS = (
@@ -45,6 +50,8 @@ VAT_LABEL_KEYS = (
     "aux_layer_ids_vllm",
     "torch_dtype",
 )
+# Eagle3Config fields an engine config may leave unset and the vat block fills
+VAT_BLOCK_FIELDS = ("num_target_layers", "target_path", "ttt_steps", "vh_input", "norm_output", "sliding_window")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -122,13 +129,163 @@ def draft_state(model: Eagle3Drafter) -> tuple[dict[str, torch.Tensor], dict[str
     return main, vh
 
 
-def _unwrap(model: Any) -> Eagle3Drafter:
+def unwrap_draft(model: Any) -> Eagle3Drafter:
+    """The :class:`Eagle3Drafter` inside DDP / FSDP / torch.compile wrappers."""
     while not isinstance(model, Eagle3Drafter) and hasattr(model, "module"):
         model = model.module
     model = getattr(model, "_orig_mod", model)
     if not isinstance(model, Eagle3Drafter):
         raise TypeError(f"expected an Eagle3Drafter, got {type(model).__name__}")
     return model
+
+
+def warn_unsupported(fmt: str, what: str) -> None:
+    """A flag some engine versions ignore: warn (never silent) but still write it."""
+    warnings.warn(f"{fmt} export: {what}", stacklevel=3)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Llama-style config pieces shared by the SGLang and speculators layouts
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def llama_config_dict(cfg: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
+    """The Llama-config part of an exported draft (one decoder layer; vocab_size = the TARGET vocabulary).
+
+    A sliding-window draft also gets ``sliding_window``, ``use_sliding_window`` and ``layer_types``, as speculators'
+    trainer writes them (its attention applies the window where ``layer_types`` says ``sliding_attention``).
+    """
+    data: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": dtype_name(dtype),
+    }
+    if cfg.sliding_window is not None:
+        data.update(sliding_window=cfg.sliding_window, use_sliding_window=True, layer_types=["sliding_attention"])
+    return data
+
+
+def parse_sliding_window(data: dict[str, Any], source: str) -> int | None:
+    """The draft layer's attention window from a Llama-style config, as speculators / vLLM decide it.
+
+    ``layer_types[0] == "sliding_attention"`` applies ``sliding_window``; ``full_attention`` or no ``layer_types``
+    means full attention (speculators and vLLM both read the window through ``layer_types``; a bare
+    ``sliding_window`` is ignored by them, so by vat too).
+    """
+    layer_types = data.get("layer_types")
+    if not layer_types:
+        return None
+    if len(layer_types) != 1:
+        raise VatError(f"{source}: layer_types lists {len(layer_types)} layers; vat's EAGLE-3 draft has 1")
+    if layer_types[0] == "full_attention":
+        return None
+    if layer_types[0] != "sliding_attention":
+        raise VatError(f"{source}: attention type {layer_types[0]!r} is not supported (full / sliding_attention)")
+    window = data.get("sliding_window")
+    if not window:
+        raise VatError(f"{source}: layer_types says sliding_attention but sliding_window is {window!r}")
+    return int(window)
+
+
+def parse_llama_config(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """Eagle3Config fields from a Llama-style draft config; unsupported variants raise :class:`VatError`."""
+    try:
+        hidden = int(data["hidden_size"])
+        heads = int(data["num_attention_heads"])
+        values: dict[str, Any] = dict(
+            hidden_size=hidden,
+            intermediate_size=int(data["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+            head_dim=int(data.get("head_dim") or hidden // heads),
+            vocab_size=int(data["vocab_size"]),
+        )
+    except KeyError as err:
+        raise VatError(f"{source}: draft config lacks {err.args[0]!r}") from None
+    rope_parameters = data.get("rope_parameters") or {}
+    theta = data.get("rope_theta") or rope_parameters.get("rope_theta") or 10000.0
+    scaling = data.get("rope_scaling") or rope_parameters
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise VatError(
+            f"{source}: RoPE scaling {rope_type!r} is not supported by vat's EAGLE-3 draft (default RoPE only)"
+        )
+    if int(data.get("num_hidden_layers", 1)) != 1:
+        raise VatError(f"{source}: {data['num_hidden_layers']}-layer EAGLE-3 drafts are not supported (1 layer)")
+    if data.get("hidden_act", "silu") != "silu":
+        raise VatError(f"{source}: hidden_act {data['hidden_act']!r} is not supported (silu)")
+    if data.get("attention_bias") or data.get("mlp_bias") or data.get("bias"):
+        raise VatError(f"{source}: biased attention / MLP / fc are not supported")
+    if data.get("tie_word_embeddings"):
+        raise VatError(f"{source}: tie_word_embeddings=true (lm_head shared with the embedding) is not supported")
+    values.update(
+        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(data.get("max_position_embeddings", 4096)),
+        pad_token_id=int(data.get("pad_token_id") or 0),
+        sliding_window=parse_sliding_window(data, source),
+    )
+    return values
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The vat block of engine exports
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def vat_block(cfg: Eagle3Config, has_vh: bool) -> dict[str, Any]:
+    """The ``vat`` block of an exported config: what the engine keys cannot express, with the labelled aux ids.
+    Engines ignore it; :func:`apply_vat_block` reads it back."""
+    return {
+        "format_version": VAT_FORMAT_VERSION,
+        "aux_layer_ids": cfg.aux_layer_ids,
+        "aux_layer_convention": VAT_AUX_CONVENTION,
+        "aux_layer_convention_note": VAT_AUX_CONVENTION_NOTE,
+        "num_target_layers": cfg.num_target_layers,
+        "target_path": cfg.target_path,
+        "ttt_steps": cfg.ttt_steps,
+        "norm_output": cfg.norm_output,
+        "sliding_window": cfg.sliding_window,
+        "verification_head_file": VH_FILE if has_vh else None,
+        "vh_input": cfg.vh_input if has_vh else None,
+    }
+
+
+def apply_vat_block(values: dict[str, Any], block: dict[str, Any] | None, source: str) -> None:
+    """Fill fields the engine keys left unset from a ``vat`` block; its aux ids must agree with the engine's."""
+    if not block:
+        return
+    if block.get("aux_layer_convention", VAT_AUX_CONVENTION) != VAT_AUX_CONVENTION:
+        raise VatError(f"{source}: vat block aux_layer_convention {block['aux_layer_convention']!r} unknown")
+    ids = block.get("aux_layer_ids")
+    engine_ids = values.get("aux_layer_ids")
+    if ids is not None and engine_ids is not None and list(ids) != list(engine_ids):
+        raise VatError(
+            f"{source}: aux layers disagree: the engine key gives {engine_ids} (vat convention) but the vat block "
+            f"says {list(ids)}; fix the config by hand"
+        )
+    if engine_ids is None and ids is not None:
+        values["aux_layer_ids"] = list(ids)
+    for key in VAT_BLOCK_FIELDS:
+        if block.get(key) is not None and values.get(key) is None:
+            values[key] = block[key]
+    if block.get("verification_head_file") and block.get("vh_input") is None:
+        values.setdefault("vh_input", "prenorm")  # exported before the key existed: the head read the residual
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -162,7 +319,7 @@ def save_draft(model: Eagle3Drafter, cfg: Eagle3Config | None, directory: str) -
     Returns:
         ``directory``.
     """
-    model = _unwrap(model)
+    model = unwrap_draft(model)
     cfg = cfg or model.config
     os.makedirs(directory, exist_ok=True)
     main, vh = draft_state(model)
@@ -176,8 +333,8 @@ def save_draft(model: Eagle3Drafter, cfg: Eagle3Config | None, directory: str) -
     return directory
 
 
-def read_vat(config: dict[str, Any], directory: str) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    """Parse a vat checkpoint's config.json and weights."""
+def parse_vat_config(config: dict[str, Any], directory: str) -> Eagle3Config:
+    """Parse a vat checkpoint's config.json."""
     if config.get("vat_format") != "eagle3":
         raise VatError(f"{directory} holds a vat {config.get('vat_format')!r} checkpoint, not an EAGLE-3 draft")
     version = config.get("vat_format_version", VAT_FORMAT_VERSION)
@@ -186,38 +343,79 @@ def read_vat(config: dict[str, Any], directory: str) -> tuple[Eagle3Config, dict
     convention = config.get("aux_layer_convention", VAT_AUX_CONVENTION)
     if convention != VAT_AUX_CONVENTION:
         raise VatError(f"{directory}: aux_layer_convention {convention!r}, expected {VAT_AUX_CONVENTION!r}")
-    cfg = Eagle3Config.from_dict({k: v for k, v in config.items() if k not in VAT_LABEL_KEYS})
-    return cfg, read_weights(directory)
+    return Eagle3Config.from_dict({k: v for k, v in config.items() if k not in VAT_LABEL_KEYS})
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Detection and loading
+# Format registry and loading
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftFormat:
+    """One on-disk draft layout, as :func:`load_draft` sees it.
+
+    Attributes:
+        name: ``"vat"``, ``"speculators"``, ``"sglang"``.
+        priority: detection order (lower first; speculators before SGLang, whose test would match it too).
+        detect: config.json -> True when the layout is this one (may raise :class:`VatError` for a near miss).
+        parse: (config.json, directory) -> :class:`Eagle3Config` (weights are read by :func:`load_draft`).
+    """
+
+    name: str
+    priority: int
+    detect: Callable[[dict[str, Any]], bool]
+    parse: Callable[[dict[str, Any], str], Eagle3Config]
+
+
+FORMATS: dict[str, DraftFormat] = {}
+
+
+def register_format(fmt: DraftFormat) -> None:
+    """Make a layout loadable by :func:`load_draft` (each layout module registers itself at import)."""
+    FORMATS[fmt.name] = fmt
+
+
+register_format(DraftFormat("vat", 0, lambda config: "vat_format" in config, parse_vat_config))
 
 
 def detect_format(config: dict[str, Any]) -> str:
     """``"vat"``, ``"speculators"`` or ``"sglang"`` from a draft's config.json; otherwise :class:`VatError`."""
-    if "vat_format" in config:
-        return "vat"
-    if "speculators_model_type" in config:
-        if config["speculators_model_type"] != "eagle3":
-            raise VatError(f"speculators model type {config['speculators_model_type']!r} is not an EAGLE-3 draft")
-        return "speculators"
+    for fmt in sorted(FORMATS.values(), key=lambda f: f.priority):
+        if fmt.detect(config):
+            return fmt.name
     archs = config.get("architectures") or []
-    if any("Eagle3" in a for a in archs) or (archs == ["LlamaForCausalLM"] and "draft_vocab_size" in config):
-        return "sglang"
     raise VatError(f"not an EAGLE-3 draft config (architectures={archs}); expected a vat, SGLang or speculators export")
 
 
-def normalize_state(state: dict[str, torch.Tensor], cfg: Eagle3Config, source: str) -> dict[str, torch.Tensor]:
-    """Engine weight names -> vat's: strip ``model.``, ``layers.0.`` -> ``midlayer.``, drop embedding / verifier
-    tensors; a missing d2t/t2d is the identity mapping only when the draft vocab is the full vocab."""
+def read_draft_config(directory: str) -> Eagle3Config:
+    """The :class:`Eagle3Config` of a draft directory in any registered layout (weights are not read)."""
+    if not os.path.isdir(directory):
+        raise VatError(f"draft directory not found: {directory}")
+    config = read_json(os.path.join(directory, CONFIG_FILE))
+    return FORMATS[detect_format(config)].parse(config, directory)
+
+
+def normalize_state(
+    state: dict[str, torch.Tensor], cfg: Eagle3Config, source: str
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """Engine weight names -> vat's: strip ``model.``, ``layers.0.`` -> ``midlayer.``, drop verifier tensors; a missing
+    d2t/t2d is the identity mapping only when the draft vocab is the full vocab.
+
+    Returns:
+        ``(state, embedding)``: the draft's weights under vat's names, and the shipped ``embed_tokens.weight`` (V, H)
+        or None.
+    """
     out: dict[str, torch.Tensor] = {}
+    embedding = None
     for name, tensor in state.items():
         if name.startswith("model."):
             name = name[len("model.") :]
         if name.startswith("layers.0."):
             name = "midlayer." + name[len("layers.0.") :]
+        if name == EMBED_KEY:
+            embedding = tensor
+            continue
         if name.startswith(("embed_tokens.", "verifier_lm_head.", "verifier_norm.")):
             continue
         out[name] = tensor
@@ -228,7 +426,23 @@ def normalize_state(state: dict[str, torch.Tensor], cfg: Eagle3Config, source: s
                 "d2t/t2d mapping (serving would map draft ids to the first target ids)"
             )
         out["d2t"], out["t2d"] = identity_vocab_mapping(cfg.vocab_size, cfg.draft_vocab_size)
-    return out
+    return out, embedding
+
+
+def check_shipped_embedding(shipped: torch.Tensor, target: torch.Tensor, source: str) -> None:
+    """A checkpoint that ships ``embed_tokens.weight`` must ship the target's (vat shares the target's, frozen)."""
+    if tuple(shipped.shape) != tuple(target.shape):
+        raise VatError(
+            f"{source}: shipped embed_tokens.weight has shape {tuple(shipped.shape)}, the target's is "
+            f"{tuple(target.shape)}"
+        )
+    a, b = shipped.detach().float().cpu(), target.detach().float().cpu()
+    tol = 1e-2 if {torch.bfloat16, torch.float16} & {shipped.dtype, target.dtype} else 1e-5  # a cast is no change
+    if not torch.allclose(a, b, atol=tol * float(b.abs().max().clamp(min=1.0)), rtol=tol):
+        raise VatError(
+            f"{source}: the shipped embed_tokens.weight differs from the target's embedding (trained with "
+            "embed_requires_grad?); vat's draft reads the target's frozen embedding"
+        )
 
 
 def load_draft(
@@ -241,7 +455,8 @@ def load_draft(
 
     Args:
         directory: the draft directory (``config.json`` + ``model.safetensors``).
-        embed_weight: (V, H) the target's input embeddings; None = attach later with ``model.set_embedding``.
+        embed_weight: (V, H) the target's input embeddings; None = attach later with ``model.set_embedding``. When the
+            checkpoint ships ``embed_tokens.weight`` (speculators), it must equal this one.
         device: where to put the model (default CPU).
         dtype: parameter dtype; None = the stored weights' dtype.
 
@@ -251,19 +466,8 @@ def load_draft(
     Raises:
         VatError: missing files, an unrecognised config, or weights that do not fit the config.
     """
-    from vat.export import sglang, speculators
-
-    if not os.path.isdir(directory):
-        raise VatError(f"draft directory not found: {directory}")
-    config = read_json(os.path.join(directory, CONFIG_FILE))
-    fmt = detect_format(config)
-    if fmt == "vat":
-        cfg, state = read_vat(config, directory)
-    elif fmt == "sglang":
-        cfg, state = sglang.read_sglang(config, directory)
-    else:
-        cfg, state = speculators.read_speculators(config, directory)
-    state = normalize_state(state, cfg, directory)
+    cfg = read_draft_config(directory)
+    state, shipped_embedding = normalize_state(read_weights(directory), cfg, directory)
 
     vh_path = os.path.join(directory, VH_FILE)
     if os.path.isfile(vh_path):
@@ -283,10 +487,7 @@ def load_draft(
     model.set_vocab_mapping(model.d2t, model.t2d)  # validates the loaded mapping
     model.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
     if embed_weight is not None:
+        if shipped_embedding is not None:
+            check_shipped_embedding(shipped_embedding, embed_weight, directory)
         model.set_embedding(embed_weight)
     return model.eval(), cfg
-
-
-def warn_unsupported(fmt: str, what: str) -> None:
-    """A flag some engine versions ignore: warn (never silent) but still write it."""
-    warnings.warn(f"{fmt} export: {what}", stacklevel=3)

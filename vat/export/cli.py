@@ -8,7 +8,7 @@ import os
 from vat.errors import VatError
 
 
-def export_draft(checkpoint: str, fmt: str, output: str) -> str:
+def export_draft(checkpoint: str, fmt: str, output: str, target: str | None = None) -> str:
     """Convert a draft directory (vat checkpoint, or another engine's export) to ``fmt`` in ``output``.
 
     Args:
@@ -16,27 +16,27 @@ def export_draft(checkpoint: str, fmt: str, output: str) -> str:
             speculators export.
         fmt: ``sglang`` or ``speculators`` (``dflash`` is not supported yet).
         output: output directory (must differ from ``checkpoint``).
+        target: the target whose input embedding a speculators export ships; None = the draft's ``target_path``.
 
     Returns:
         ``output``.
     """
-    from vat.export.checkpoint import load_draft
-    from vat.export.sglang import export_sglang
-    from vat.export.speculators import export_speculators
+    from vat.export import export_sglang, export_speculators, load_draft
 
-    writers = {"sglang": export_sglang, "speculators": export_speculators}
     if fmt == "dflash":
         raise VatError("export format 'dflash' is not yet supported")
-    if fmt not in writers:
-        raise VatError(f"unknown export format {fmt!r} (choose from {', '.join(writers)})")
+    if fmt not in ("sglang", "speculators"):
+        raise VatError(f"unknown export format {fmt!r} (choose from sglang, speculators)")
     if os.path.abspath(output) == os.path.abspath(checkpoint):
         raise VatError("--output must differ from the checkpoint directory")
     model, _ = load_draft(checkpoint)
-    return writers[fmt](model, output)
+    if fmt == "sglang":
+        return export_sglang(model, output)
+    return export_speculators(model, output, target=target)
 
 
 def main(args: argparse.Namespace) -> int:
-    """CLI entry: ``args.checkpoint``, ``args.format``, ``args.output``."""
-    out = export_draft(args.checkpoint, args.format, args.output)
+    """CLI entry: ``args.checkpoint``, ``args.format``, ``args.output`` (and ``args.target`` when the CLI has it)."""
+    out = export_draft(args.checkpoint, args.format, args.output, getattr(args, "target", None))
     print(f"vat: wrote {args.format} EAGLE-3 draft to {out}")
     return 0
