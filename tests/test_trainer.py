@@ -164,3 +164,54 @@ def test_huge_verification_head_gradient_leaves_the_body_update_unchanged(worksp
     for a, b in zip(m1, m2):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
         assert b["vh_grad_norm"] > 1e4 * a["vh_grad_norm"] > 0
+
+
+def test_init_from_a_speculators_draft_continues_with_vat_losses(workspace, tmp_path):
+    """speculators' default recipe flags (norm_before_residual, norm_before_fc, norm_output, sliding window), the full
+    vocabulary (no d2t/t2d) and non-default aux layers: imported, exactly the source at step 0, trained with VAT."""
+    from transformers import AutoConfig
+
+    from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from vat.export import export_speculators
+    from vat.export.target_embedding import read_target_embedding
+    from vat.trainer import Trainer
+
+    tc = AutoConfig.from_pretrained(workspace["target"])
+    ids = [0, 1, tc.num_hidden_layers - 1]
+    source_cfg = Eagle3Config.for_target(
+        tc, draft_vocab_size=tc.vocab_size, aux_layer_ids=ids, norm_before_residual=True, norm_before_fc=True,
+        norm_output=True, sliding_window=16, ttt_steps=3,
+    )
+    torch.manual_seed(3)
+    source = Eagle3Drafter(source_cfg, read_target_embedding(workspace["target"], tc.vocab_size, tc.hidden_size))
+    src = export_speculators(source, str(tmp_path / "spec"))
+
+    out = str(tmp_path / "run")
+    trainer = Trainer(_cfg(workspace, out, f"train.init_from={src}", "method=vat", "train.max_steps=2",
+                           "drafter.ttt_steps=3"))
+    trainer.setup()
+    try:
+        drafter = trainer.accelerator.unwrap_model(trainer.drafter)
+        state = drafter.state_dict()
+        assert all(torch.equal(state[k].cpu(), v) for k, v in source.state_dict().items())  # step 0 = the source
+        assert drafter.verification_head is not None  # VAT's head, fresh
+        assert trainer.target.aux_layer_ids == ids and drafter.config.aux_layer_ids == ids
+        assert drafter.config.draft_vocab_size == tc.vocab_size  # the source's vocab, not drafter.draft_vocab_size
+        last = trainer.run()
+    finally:
+        trainer.close()
+    assert last["step"] == 2 and last["loss"] is not None and 1.0 <= last["tau_sim"] <= 4.0
+    saved = json.load(open(os.path.join(out, "final", "config.json")))
+    assert (saved["norm_output"], saved["sliding_window"], saved["norm_before_fc"]) == (True, 16, True)
+    assert saved["verification_head"] and saved["aux_layer_ids"] == ids
+
+
+def test_init_from_a_draft_for_another_target_fails_clearly(workspace, tmp_path):
+    from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from vat.export import save_draft
+
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       target_hidden_size=2048, vocab_size=300, draft_vocab_size=300)
+    src = save_draft(Eagle3Drafter(cfg), cfg, str(tmp_path / "other"))
+    with pytest.raises(VatError, match=r"init_from .*other: draft target_hidden_size 2048 ≠ target hidden_size \d+"):
+        train_main(_cfg(workspace, str(tmp_path / "run"), f"train.init_from={src}"))

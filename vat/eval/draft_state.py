@@ -3,6 +3,8 @@
 Each committed position s contributes one draft entry (target aux state at s, token s + 1), computed once: after a
 round, the entries of the newly accepted positions are appended (:meth:`DraftState.extend`); speculative entries
 made while drafting a chain or tree are cropped before the round's verification. Nothing is recomputed from scratch.
+A sliding-window draft's attention window is applied inside :meth:`Eagle3Drafter.step` from the cached RoPE positions,
+so chains and trees get it without masks built here.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ class DraftHead:
     """The draft's output at the newest committed entry: what the next chain or tree starts from.
 
     Attributes:
-        hidden: (H,) pre-norm hidden state of the entry (fed to the first drafted token's entry).
+        hidden: (H,) the entry's recurrent state (pre-norm hidden, or its norm for ``norm_output`` drafts), fed to
+            the first drafted token's entry.
         logits: (V_d,) draft logits for the token after the pending root.
         vh_logit: verification-head logit for that prediction, or None without a head.
         position: RoPE position of the entry (the root's drafted children sit at ``position + 1``).
