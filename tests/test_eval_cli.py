@@ -207,3 +207,69 @@ def test_per_prompt_counts_pair_and_reproduce_tau(saved, spec_bench_file):
     ar = ev["per_prompt"]["none"]["none"]["spec_bench"]
     assert all(p["committed"] == p["rounds"] and p["drafted"] == 0 for p in ar)
     assert ev["drafts"]["ngram"]["mode"] == "ngram" and ev["drafts"]["run/final"]["mode"] == "chain"
+
+
+# ---- the experts implementation: selectable, recorded, and the Triton kernel decodes as grouped_mm -------------
+
+def _eval_rows(out: str) -> tuple[dict, dict]:
+    with open(os.path.join(out, "eval.json")) as f:
+        ev = json.load(f)
+    with open(os.path.join(out, "generations.jsonl")) as f:
+        rows = {(r["question_id"], r["draft"], r["budget"]): r["token_ids"] for r in map(json.loads, f)}
+    return ev, rows
+
+
+def test_triton_kernel_decodes_like_grouped_mm_under_a_budget(tmp_path, spec_bench_file):
+    """`vat eval --experts-impl triton` (Triton interpreter, fp32) on the quick tiny target: the same generations,
+    token for token, and the same τ as grouped_mm with B = 4 (k = 4 of 16 experts, so every 4-token verification
+    block of the chain draft is really cut), AR and draft alike."""
+    from transformers import AutoConfig
+
+    from vat.paths import resolve_target_path
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # conftest: kernels run on CPU tensors
+    target_dir = resolve_target_path("tiny-quick")  # built once and cached, as for every tiny-quick test
+    config = AutoConfig.from_pretrained(target_dir)
+    cfg = Eagle3Config.for_target(config, draft_vocab_size=config.vocab_size, target_path=target_dir)
+    torch.manual_seed(0)
+    draft_dir = save_draft(Eagle3Drafter(cfg), cfg, str(tmp_path / "run" / "final"))
+    runs = {}
+    for impl in ("grouped_mm", "triton"):
+        out = str(tmp_path / impl)
+        rc = cli_main([
+            "eval", "--target", "tiny-quick", "--draft", draft_dir, "--benchmark", spec_bench_file + ":qa",
+            "--limit", "2", "--max-new-tokens", "4", "--steps", "3", "--budget", "4", "--experts-impl", impl,
+            "--dtype", "float32", "--device", "cpu", "--output", out,
+        ])
+        assert rc == 0
+        runs[impl] = _eval_rows(out)
+    (ev_g, rows_g), (ev_t, rows_t) = runs["grouped_mm"], runs["triton"]
+    assert ev_g["target_info"]["experts_impl"] == "grouped_mm" and ev_t["target_info"]["experts_impl"] == "triton"
+    assert ev_t["target_info"]["dtype"] == "float32" and ev_t["target_info"]["device"] == "cpu"
+    assert rows_t == rows_g and len(rows_g) == 2 * 2  # 2 prompts x (AR + draft under B = 4)
+    bench = ev_g["benchmarks"][0]
+    for draft, budget in (("none", "none"), ("run/final", "4")):
+        m_g, m_t = ev_g["results"][draft][budget][bench], ev_t["results"][draft][budget][bench]
+        assert m_t["tau"] == m_g["tau"] and m_t["n_rounds"] == m_g["n_rounds"]
+        assert m_t["union_per_round"] == m_g["union_per_round"]
+    assert ev_g["results"]["run/final"]["4"][bench]["union_per_round"]["max"] == 4  # cut to B
+
+
+def test_target_loading_flags_reach_the_loader(saved, spec_bench_file):
+    root, target_dir, draft_dir = saved
+    out = str(root / "eager")
+    rc = cli_main(["eval", "--target", target_dir, "--draft", draft_dir, "--benchmark", spec_bench_file, "--limit", "1",
+                   "--max-new-tokens", "4", "--budget", "2", "--experts-impl", "eager", "--dtype", "bfloat16",
+                   "--device", "cpu", "--output", out])
+    assert rc == 0
+    ev, _ = _eval_rows(out)
+    assert ev["target_info"]["experts_impl"] == "eager" and ev["target_info"]["dtype"] == "bfloat16"
+    assert ev["target_info"]["device_map"] is None
+
+
+def test_bad_experts_impl_is_a_usage_error(saved, spec_bench_file, capsys):
+    root, target_dir, _ = saved
+    with pytest.raises(SystemExit):
+        cli_main(["eval", "--target", target_dir, "--benchmark", spec_bench_file, "--experts-impl", "fast",
+                  "--output", str(root / "bad_impl")])
+    assert "--experts-impl: invalid choice: 'fast'" in capsys.readouterr().err

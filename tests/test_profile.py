@@ -43,3 +43,15 @@ def test_profile_union_grows_with_window(tmp_path, olmoe_dir, spec_bench_file):
     unions = [_profile(tmp_path, olmoe_dir, spec_bench_file, "--window", str(w))["mean_union"] for w in (1, 4, 8)]
     assert unions[0] == pytest.approx(2.0)  # one token: exactly its top-k
     assert unions[0] < unions[1] < unions[2]
+
+
+def test_profile_loads_as_asked_and_counts_uncovered_tokens(tmp_path, olmoe_dir, spec_bench_file):
+    """--experts-impl/--dtype/--device reach the loader and are recorded; truncation at B = 2 meets tokens with no
+    natural expert in the budget set (substituted, counted); a budget of E meets none."""
+    r = _profile(tmp_path, olmoe_dir, spec_bench_file, "--window", "8", "--budget", "2", "--policy", "truncate",
+                 "--experts-impl", "eager", "--dtype", "float32", "--device", "cpu")
+    assert (r["experts_impl"], r["dtype"], r["device"]) == ("eager", "float32", "cpu")
+    assert 0 < r["uncovered_fraction"] < 1
+    assert r["natural_forward_seconds"] > 0 and r["budgeted_forward_seconds"] > 0
+    full = _profile(tmp_path, olmoe_dir, spec_bench_file, "--window", "8", "--budget", "8")
+    assert full["uncovered_fraction"] == 0.0 and full["experts_impl"] == "grouped_mm"

@@ -86,6 +86,23 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_dispatch("vat.data_prep.tiny_target:main"))
 
 
+def _add_target_options(p: argparse.ArgumentParser) -> None:
+    """How to load the target: the trainer's ``target.*`` keys (:class:`vat.config.TargetConfig`, same defaults and
+    choices) as flags, passed to the same loader (:func:`vat.target.load_target`)."""
+    from vat.config import CHOICES, TargetConfig
+
+    defaults = TargetConfig()
+    g = p.add_argument_group("target loading (the trainer's target.* keys)")
+    g.add_argument("--experts-impl", default=defaults.experts_impl, choices=CHOICES["target.experts_impl"],
+                   help="experts forward of every MoE layer: grouped_mm (transformers), eager, triton (vat's "
+                   f"budget-aware kernel; skips the experts a budget drops) (default {defaults.experts_impl})")
+    g.add_argument("--dtype", default=defaults.dtype, help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | "
+                   f"float16 (default {defaults.dtype})")
+    g.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: CUDA if available, else CPU)")
+    g.add_argument("--device-map", default=defaults.device_map, help="e.g. `auto` to shard a large target across "
+                   "the GPUs of a node (overrides --device)")
+
+
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "profile",
@@ -101,6 +118,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
     p.add_argument("--max-length", type=int, default=512, help="truncate prompts to this many tokens")
     p.add_argument("--output", required=True, help="output directory")
+    _add_target_options(p)
     p.set_defaults(func=_dispatch("vat.profile:main"))
 
 
@@ -142,6 +160,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", required=True, help="output directory")
+    _add_target_options(p)
     p.set_defaults(func=_dispatch("vat.eval.run:main"))
 
 

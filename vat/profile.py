@@ -2,7 +2,10 @@
 
 Runs the target over benchmark prompts, tiles each prompt into windows of W consecutive positions (the size of a
 verification block), and measures per MoE layer the union of experts each window loads, the expert bytes that
-union weighs, and — with ``--budget`` — the KL of the budgeted next-token distribution to the unbudgeted one.
+union weighs, and — with ``--budget`` — the KL of the budgeted next-token distribution to the unbudgeted one and the
+share of tokens none of whose natural experts is in the budget set (``uncovered_fraction``). The target is loaded as
+the trainer loads it (``--experts-impl``, ``--dtype``, ``--device``, ``--device-map``); profile.json records the
+experts implementation and the wall time of the natural and budgeted forwards.
 """
 
 from __future__ import annotations
@@ -63,20 +66,22 @@ def profile_target(target, prompts_ids: list[list[int]], window: int, budget=Non
     num_moe = len(target.moe_layer_ids)
     bytes_per_layer = target.expert_bytes_per_layer()
     spec = BudgetSpec(B=budget, policy=policy, window=window) if budget is not None else None
-    unions, nat_unions, window_bytes, kls = [], [], [], []
+    unions, nat_unions, window_bytes, kls, uncovered = [], [], [], [], []
     n_tokens = 0
+    seconds = {"natural": 0.0, "budgeted": 0.0}
     for ids in tqdm(prompts_ids, desc=f"profile W={window}", disable=not progress):
         input_ids = torch.tensor([ids], device=target.device)  # (1, T)
         valid = torch.ones_like(input_ids, dtype=torch.bool)
-        natural = target.forward(input_ids, output_aux=False)
+        natural = _timed(seconds, "natural", target, input_ids)
         groups, n_groups = contiguous_windows(valid, window)
         nat = window_union(natural.topk_ids, groups, n_groups, target.num_experts)  # (L', G)
         nat_unions.append(nat)
         used = nat
         if spec is not None:
-            budgeted = target.forward(input_ids, budget=spec, output_aux=False)
+            budgeted = _timed(seconds, "budgeted", target, input_ids, spec)
             used = window_union(budgeted.topk_ids, budgeted.window_groups, budgeted.n_windows, target.num_experts)
             kls.append(kl_divergence(budgeted.logits[0], natural.logits[0]))  # (T,)
+            uncovered.append(budgeted.n_uncovered.sum())  # every token of the prompt is budgeted here
         unions.append(used)
         window_bytes.append(bytes_per_window(used, bytes_per_layer))
         n_tokens += len(ids)
@@ -104,8 +109,30 @@ def profile_target(target, prompts_ids: list[list[int]], window: int, budget=Non
         "expert_bytes_per_layer": bytes_per_layer,
         "expert_bytes_per_window": float(torch.cat(window_bytes).mean()),
         "kl_to_unbudgeted": float(torch.cat(kls).mean()) if kls else None,
+        # tokens x layers with no natural expert in the budget set (truncate substitutes them), over all tokens
+        "uncovered_fraction": float(torch.stack(uncovered).sum()) / (num_moe * n_tokens) if uncovered else None,
+        "experts_impl": target.experts_impl,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "device": str(target.device),
+        "natural_forward_seconds": round(seconds["natural"], 4),
+        "budgeted_forward_seconds": round(seconds["budgeted"], 4) if spec is not None else None,
     }
     return result
+
+
+def _timed(seconds: dict, key: str, target, input_ids: torch.Tensor, spec: BudgetSpec | None = None):
+    """One target forward, its wall time (device work included) added to ``seconds[key]``."""
+    _sync(target.device)
+    start = time.perf_counter()
+    out = target.forward(input_ids, budget=spec, output_aux=False)
+    _sync(target.device)
+    seconds[key] += time.perf_counter() - start
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -119,7 +146,10 @@ def main(args: argparse.Namespace) -> int:
         raise VatError("--window must be >= 1")
     budget = parse_budget(args.budget)
     start = time.time()
-    target = load_target(args.target)
+    target = load_target(
+        args.target, dtype=getattr(args, "dtype", "auto"), device=getattr(args, "device", None),
+        experts_impl=getattr(args, "experts_impl", "grouped_mm"), device_map=getattr(args, "device_map", None),
+    )
     try:
         tokenizer = AutoTokenizer.from_pretrained(target.path or args.target)
     except OSError as err:
@@ -146,6 +176,7 @@ def _markdown(r: dict) -> str:
         "| metric | value |",
         "|---|---|",
         f"| MoE layers x experts (top-k) | {r['num_moe_layers']} x {r['num_experts']} (top-{r['top_k']}) |",
+        f"| experts implementation / dtype / device | {r['experts_impl']} / {r['dtype']} / {r['device']} |",
         f"| prompts / tokens / windows | {r['n_prompts']} / {r['n_tokens']} / {r['n_windows']} |",
         f"| natural mean union per layer per window | {r['natural_mean_union']:.2f} (max {r['natural_max_union']}) |",
     ]
@@ -154,6 +185,9 @@ def _markdown(r: dict) -> str:
             f"| budget B ({r['policy']}) | {r['budget']} |",
             f"| budgeted mean union | {r['mean_union']:.2f} (max {r['max_union']}) |",
             f"| KL(budgeted ‖ unbudgeted) per token | {r['kl_to_unbudgeted']:.5f} nats |",
+            f"| tokens x layers with no natural expert in the budget | {r['uncovered_fraction']:.2%} |",
+            f"| forward wall time natural / budgeted | {r['natural_forward_seconds']:.3f} s / "
+            f"{r['budgeted_forward_seconds']:.3f} s |",
         ]
     lines.append(f"| expert bytes per window | {r['expert_bytes_per_window'] / 2**20:.2f} MiB |")
     lines.append("")

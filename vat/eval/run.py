@@ -122,11 +122,18 @@ def _load_drafts(drafts: list[Any], ngram: NgramSpec) -> list[DraftEntry]:
     return entries
 
 
-def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str | None, ngram: bool = False):
-    """The target: given, or the one the first trained draft records. ``drafts``: the EAGLE-3 entries only."""
+def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str | None, ngram: bool = False,
+                 experts_impl: str | None = None, device_map: str | None = None):
+    """The target: given, or the one the first trained draft records. ``drafts``: the EAGLE-3 entries only.
+
+    Loaded with the trainer's loader (:func:`vat.target.load_target`); ``experts_impl`` None = ``grouped_mm`` for a
+    path, the target's own for a loaded :class:`FrozenTarget` (switched when another is asked for).
+    """
     from vat.target import FrozenTarget, load_target
 
     if isinstance(target, FrozenTarget):
+        if experts_impl is not None and experts_impl != target.experts_impl:
+            target.set_experts_impl(experts_impl)
         return target
     first_ids = drafts[0].model.config.aux_layer_ids if drafts else None
     if target is None:
@@ -139,7 +146,8 @@ def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str 
         if len(set(paths)) > 1:
             warnings.warn(f"drafts were trained for different targets {sorted(set(paths))}; using {paths[0]}", stacklevel=2)
         target = paths[0]
-    return load_target(target, dtype=dtype, device=device, aux_layer_ids=first_ids)
+    return load_target(target, dtype=dtype, device=device, aux_layer_ids=first_ids,
+                       experts_impl=experts_impl or "grouped_mm", device_map=device_map)
 
 
 def _attach(drafts: list[DraftEntry], target, vh_threshold: float | None) -> None:
@@ -272,6 +280,8 @@ def run_eval(
     tokenizer: Any = None,
     dtype: str = "auto",
     device: str | None = None,
+    experts_impl: str | None = None,
+    device_map: str | None = None,
     progress: bool = True,
     plots: bool = True,
     autoregressive: bool = True,
@@ -302,6 +312,10 @@ def run_eval(
         tokenizer: tokenizer object or path (default: the target's directory).
         dtype: target dtype (``auto`` = bf16 on GPU, fp32 on CPU).
         device: target device (default CUDA if available).
+        experts_impl: experts forward of every MoE layer: ``grouped_mm`` | ``eager`` | ``batched_mm`` | ``triton``
+            (vat's budget-aware kernel). None = ``grouped_mm`` when loading a path, unchanged for a loaded target.
+            Recorded in ``target_info``: the measured tokens/s of a budgeted run are this implementation's.
+        device_map: e.g. ``auto`` to shard the target across the node's GPUs (overrides ``device``).
         progress: show tqdm bars.
         plots: write the PNGs (with ``output``).
         autoregressive: also decode every prompt autoregressively (the ``speedup_vs_ar`` denominator); False skips
@@ -328,7 +342,8 @@ def run_eval(
 
     entries = _load_drafts(list(drafts), ngram_spec)
     eagle = [d for d in entries if not d.is_ngram]
-    target_obj = _load_target(target, eagle, dtype, device, ngram=len(eagle) < len(entries))
+    target_obj = _load_target(target, eagle, dtype, device, ngram=len(eagle) < len(entries),
+                              experts_impl=experts_impl, device_map=device_map)
     _attach(eagle, target_obj, vh_threshold)
     tok = _load_tokenizer(tokenizer, target_obj)
     eos = eos_token_ids(tok, target_obj.model)
@@ -400,7 +415,8 @@ def run_eval(
         "target_info": {
             "num_experts": E, "top_k": target_obj.top_k, "moe_layer_ids": list(target_obj.moe_layer_ids),
             "expert_bytes_per_layer": bytes_per_layer, "dtype": str(target_obj.dtype).replace("torch.", ""),
-            "device": str(target_obj.device),
+            "device": str(target_obj.device), "device_map": device_map,
+            "experts_impl": target_obj.experts_impl,
         },
         "settings": {
             "mode": "tree" if tree_spec is not None else "chain", "steps": steps,
@@ -455,7 +471,9 @@ def main(args: argparse.Namespace) -> int:
         tree=args.tree, temperature=args.temperature, budgets=args.budget, policy=args.policy,
         vh_threshold=args.vh_threshold, ngram_n=getattr(args, "ngram_n", DEFAULT_N_MAX),
         ngram_min=getattr(args, "ngram_min", DEFAULT_N_MIN), max_new_tokens=args.max_new_tokens, limit=args.limit,
-        batch_size=args.batch_size, seed=args.seed, output=args.output,
+        batch_size=args.batch_size, seed=args.seed, output=args.output, dtype=getattr(args, "dtype", "auto"),
+        device=getattr(args, "device", None), experts_impl=getattr(args, "experts_impl", None),
+        device_map=getattr(args, "device_map", None),
     )
     print(markdown_summary(result))
     print(f"wrote {os.path.join(args.output, 'eval.json')}, generations.jsonl, report.md and plots")

@@ -178,6 +178,8 @@ def apply_budget(
     weights, ids = natural
     num_experts = logits.shape[-1]
     if budget >= num_experts:
+        if counts is not None:
+            counts["uncovered"] = torch.zeros((), dtype=torch.int64, device=ids.device)
         return weights, ids
     allowed_sets = budget_sets(adapter.scores(router, logits), ids, groups, n_groups, budget)  # (G, E)
     member = groups >= 0
