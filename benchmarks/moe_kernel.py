@@ -7,16 +7,18 @@ forward through vat's Triton kernel and through a real HF experts module (``Olmo
 ``config._experts_implementation`` set to ``eager`` and to ``grouped_mm``, all on the same inputs in the same run.
 
 Reported per row: median time per forward (CUDA events, after warm-up, L2 flushed before every timed call), experts
-read and their weight bytes, achieved GB/s and fraction of the device's peak bandwidth, and the time ratios
+read and their weight bytes, achieved HBM bandwidth — (expert weight bytes read + activation bytes, i.e. the input
+``(T, H)`` read and the output ``(T, H)`` written) / time — and its fraction of the device's peak (from
+:data:`PEAK_GBPS` by device name, or ``--peak-gbps``; unknown devices print n/a), and the time ratios
 eager / triton and grouped_mm / triton (> 1 = the kernel is faster). Two timings per implementation where possible:
 plain launches (what a HF forward pays, CPU launch overhead included) and CUDA-graph replay (GPU time only; the
 kernel path has no host sync, so it captures; ``eager`` syncs and is never captured). GB/s and % peak use the graph
-time when there is one. Prints a Markdown table; ``--output`` writes JSON.
+time when there is one. Prints a Markdown table; ``--output`` writes JSON, ``--markdown`` the table.
 
 Usage::
 
-    python benchmarks/moe_kernel.py --output moe_kernel.json              # on a GPU (H200 peak 4800 GB/s default)
-    python benchmarks/moe_kernel.py --peak-gbps 3350 --tokens 8 32        # H100 SXM, fewer shapes
+    python benchmarks/moe_kernel.py --output moe_kernel.json              # on a GPU (peak from the device name)
+    python benchmarks/moe_kernel.py --peak-gbps 3350 --tokens 8 32        # explicit peak, fewer shapes
     python benchmarks/moe_kernel.py --cpu-smoke                           # tiny shapes, Triton interpreter, CPU
 
 Without a GPU (and without ``--cpu-smoke``) it says so and exits 0.
@@ -44,6 +46,21 @@ SMOKE_MODELS = {
     "tiny-qwen3": dict(family="qwen3_moe", hidden=64, intermediate=48, num_experts=32, top_k=4, norm_topk_prob=True),
 }
 IMPLS = ("eager", "grouped_mm")
+PEAK_GBPS = [  # (substrings of torch.cuda.get_device_name(), all required; peak HBM GB/s), first match wins
+    (("H200",), 4800.0),
+    (("H100", "PCIe"), 2000.0),
+    (("H100", "NVL"), 3900.0),
+    (("H100",), 3350.0),  # SXM (HBM3) — reported as "NVIDIA H100 80GB HBM3"
+    (("A100",), 2000.0),
+]
+
+
+def peak_gbps_for(device_name: str) -> float | None:
+    """Peak memory bandwidth of a known device from its name (None if unknown)."""
+    for needles, gbps in PEAK_GBPS:
+        if all(n in device_name for n in needles):
+            return gbps
+    return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,14 +71,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budgets", nargs="+", default=["none", "32", "16", "8"], help="expert budgets B ('none' = natural)"
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--peak-gbps", type=float, default=4800.0, help="device peak memory bandwidth (H200: 4800)")
+    p.add_argument(
+        "--peak-gbps", type=float, default=None, help="device peak memory bandwidth in GB/s (default: by device name)"
+    )
     p.add_argument("--warmup", type=int, default=10, help="untimed calls per implementation (includes autotuning)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per implementation (median reported)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
     p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay timings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the rows as JSON here")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU through the Triton interpreter")
+    p.add_argument("--markdown", default=None, help="write the Markdown table here")
+    p.add_argument(
+        "--cpu-smoke", "--dry-run", action="store_true", help="tiny shapes on CPU through the Triton interpreter"
+    )
     return p.parse_args(argv)
 
 
@@ -232,16 +254,17 @@ def bench(args: argparse.Namespace) -> list[dict]:
                 weights = weights.to(dtype)  # HF routers hand the experts weights in the model dtype
                 r = bench_one(module, x, ids, weights, timer, graphs=device.type == "cuda" and not args.no_graphs)
                 bytes_read = r["experts_read"] * per_expert
+                bytes_moved = bytes_read + 2 * x.numel() * x.element_size()  # + input read and output written
                 gpu_s = r["triton_graph_s"] or r["triton_s"]
-                gbps = bytes_read / gpu_s / 1e9
+                gbps = bytes_moved / gpu_s / 1e9
                 rows.append(
                     dict(
                         model=name, tokens=tokens, budget=budget, natural_union=union,
-                        experts_read=r["experts_read"], bytes_read=bytes_read,
+                        experts_read=r["experts_read"], bytes_read=bytes_read, bytes_moved=bytes_moved,
                         triton_us=_us(r["triton_s"]), triton_graph_us=_us(r["triton_graph_s"]),
                         eager_us=_us(r["eager_s"]), grouped_mm_us=_us(r["grouped_mm_s"]),
                         grouped_mm_graph_us=_us(r["grouped_mm_graph_s"]),
-                        triton_gbps=gbps, frac_peak=gbps / args.peak_gbps,
+                        triton_gbps=gbps, frac_peak=gbps / args.peak_gbps if args.peak_gbps else None,
                         gbps_from="graph" if r["triton_graph_s"] else "launch",
                         eager_over_triton=_ratio(r["eager_s"], r["triton_s"]),
                         grouped_mm_over_triton=_ratio(r["grouped_mm_s"], r["triton_s"]),
@@ -267,7 +290,7 @@ COLUMNS = [  # (header, row key, format)
 
 def _cell(value, fmt: str) -> str:
     if value is None:
-        return "none" if fmt == "{}" else "-"
+        return "none" if fmt == "{}" else "n/a" if fmt == "pct" else "-"
     if fmt == "mb":
         return f"{value / 1e6:.1f}"
     if fmt == "pct":
@@ -300,13 +323,21 @@ def main(argv: list[str] | None = None) -> int:
             args.tokens = [4, 8]
         if args.budgets == ["none", "32", "16", "8"]:
             args.budgets = ["none", "8", "4"]
-    rows = bench(args)
     device = "cpu (Triton interpreter)" if args.cpu_smoke else torch.cuda.get_device_name()
+    if args.peak_gbps is None and not args.cpu_smoke:
+        args.peak_gbps = peak_gbps_for(device)
+    rows = bench(args)
     dtype = "float32" if args.cpu_smoke else args.dtype
     flushed = not args.no_flush and not args.cpu_smoke
-    print(f"\nfused-MoE experts forward, {device}, {dtype}, peak {args.peak_gbps:.0f} GB/s, "
-          f"median of {args.iters} (L2 flushed: {flushed})\n")  # fmt: skip
-    print(format_table(rows))
+    peak = f"{args.peak_gbps:.0f} GB/s" if args.peak_gbps else "n/a (unknown device: pass --peak-gbps)"
+    title = (f"fused-MoE experts forward, {device}, {dtype}, HBM peak {peak}, median of {args.iters} "
+             f"(L2 flushed: {flushed}); GB/s = (expert bytes read + input/output activations) / triton time")  # fmt: skip
+    table = format_table(rows)
+    print(f"\n{title}\n")
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"### {title}\n\n{table}\n")
     if args.output:
         meta = dict(
             device=device, dtype=dtype, peak_gbps=args.peak_gbps, warmup=args.warmup, iters=args.iters,
