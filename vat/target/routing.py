@@ -62,8 +62,9 @@ class RoutingController:
                 budget = ctx.budget.budget_for(layer_idx, ordinal)
                 if budget is not None:
                     counts: dict[str, torch.Tensor] = {}
+                    groups = ctx.groups.to(logits.device)  # a device_map target runs layers on several GPUs
                     weights, ids = apply_budget(
-                        self.adapter, router, logits, (weights, ids), ctx.groups, ctx.n_groups, budget,
+                        self.adapter, router, logits, (weights, ids), groups, ctx.n_groups, budget,
                         ctx.budget.policy, counts=counts,
                     )
                     if "uncovered" in counts:
@@ -106,7 +107,8 @@ class RoutingController:
         """Captured ids as ``(L', B, T, k)`` (sentinel ``num_experts`` marks a dropped slot)."""
         if not ctx.captured:
             return None
-        ids = [ctx.captured[i] for i in range(len(self.moe_layers))]
+        device = ctx.captured[0].device  # layers of a device_map target live on several GPUs
+        ids = [ctx.captured[i].to(device) for i in range(len(self.moe_layers))]
         return torch.stack(ids).view(len(ids), batch, length, -1)
 
     def uncovered(self, ctx: _ForwardContext) -> torch.Tensor | None:
@@ -115,7 +117,7 @@ class RoutingController:
         if not ctx.uncovered:
             return None
         zero = next(iter(ctx.uncovered.values())).new_zeros(())
-        return torch.stack([ctx.uncovered.get(i, zero) for i in range(len(self.moe_layers))])
+        return torch.stack([ctx.uncovered.get(i, zero).to(zero.device) for i in range(len(self.moe_layers))])
 
     def close(self) -> None:
         """Remove every hook."""
