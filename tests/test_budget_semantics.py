@@ -120,7 +120,7 @@ def test_truncate_never_leaves_a_token_without_experts(family):
     # the count: tokens none of whose natural experts is in the executed window union (= S, under truncation)
     groups = out.window_groups.reshape(-1)
     want = []
-    for router, (_, _, nat_ids), (_, _, got_ids) in layers:
+    for _router, (_, _, nat_ids), (_, _, got_ids) in layers:
         used = {}
         for t, g in enumerate(groups.tolist()):
             used.setdefault(g, set()).update(e for e in got_ids[t].tolist() if e != target.num_experts)

@@ -102,7 +102,7 @@ def _scores(family, logits_row):
 
 def _reference_select(family, router, logits_row, allowed):
     """The family's rule for one token, by hand: returns {expert: weight} (sentinel slots omitted)."""
-    k, num_experts = router.top_k, router.num_experts
+    k = router.top_k
     if family == "gpt_oss":
         chosen = sorted(allowed, key=lambda e: -logits_row[e])[:k]
         m = max(logits_row[e] for e in chosen)
