@@ -144,6 +144,23 @@ def test_bench_cells_share_data_and_steps(tmp_path):
         plan_cells(load_bench_config(QUICK, ["curve.steps=[9]"]), str(tmp_path))
 
 
+def test_bench_continuations_name_their_source_by_seed(tmp_path):
+    """`{bench_dir}`/`{seed}` fill a method's init_from per cell; continuations are checked against each other."""
+    from vat.bench.cells import check_same_training, config_identity, plan_cells
+
+    source = "train.init_from={bench_dir}/cells/eagle3/seed{seed}/train/final"
+    cfg = load_bench_config(QUICK, ["methods.more.recipe=tiny/eagle3_vat.yaml", f"methods.more.overrides=['{source}']"])
+    cells = plan_cells(cfg, str(tmp_path))
+    more = {c.seed: c.train_cfg for c in cells if c.method == "more"}
+    assert {s: m.train.init_from for s, m in more.items()} == {
+        s: str(tmp_path / "cells" / "eagle3" / f"seed{s}" / "train" / "final") for s in (0, 1)}
+    assert check_same_training(cells) == []  # `more` is a continuation: not compared with the from-scratch methods
+    # a key vat added after a bench ran (train.init_from), left unset, keeps that bench's cells valid
+    plain = [c.train_cfg for c in cells if c.method == "eagle3"][0]
+    assert "init_from" not in config_identity(plain)
+    assert "init_from" in config_identity(more[0])
+
+
 # ---- end to end ---------------------------------------------------------------------------------------------------
 
 

@@ -24,6 +24,8 @@ from typing import Any
 from vat.errors import VatError
 
 CELL_FILE = "cell.json"
+# config keys vat gained after the bench's first version; unset, they mean what their absence meant before
+ADDED_UNSET_KEYS = (("train", "init_from"),)
 SETTINGS_FILE = "bench_settings.json"
 
 
@@ -81,7 +83,9 @@ def train_config(bench: Any, label: str, seed: int, directory: str) -> Any:
 
     method = bench.methods[label]
     forced = [f"seed={seed}", f"output_dir={os.path.join(directory, 'train')}", "resume=auto", "train.log_every=1"]
-    cfg = load_config(resolve_recipe(method.recipe), [*bench.train_overrides, *method.overrides, *forced])
+    bench_dir = os.path.dirname(os.path.dirname(os.path.dirname(directory)))  # directory = bench_dir/cells/label/seedK
+    overrides = [fill_placeholders(o, seed, bench_dir) for o in [*bench.train_overrides, *method.overrides]]
+    cfg = load_config(resolve_recipe(method.recipe), [*overrides, *forced])
     steps = sorted(set(bench.curve.steps))
     if steps:
         total = cfg.train.max_steps
@@ -94,6 +98,15 @@ def train_config(bench: Any, label: str, seed: int, directory: str) -> Any:
             cfg.train.save_every = math.gcd(*inner)
         cfg.train.keep_last = 0
     return cfg
+
+
+def fill_placeholders(override: str, seed: int, bench_dir: str) -> str:
+    """An override with ``{seed}`` (the cell's seed) and ``{bench_dir}`` (the bench's output directory) filled in.
+
+    So a method can start from another method's draft of the same seed:
+    ``train.init_from={bench_dir}/cells/eagle3/seed{seed}/train/final``.
+    """
+    return override.replace("{seed}", str(seed)).replace("{bench_dir}", bench_dir)
 
 
 def plan_cells(bench: Any, out: str) -> list[Cell]:
@@ -120,12 +133,15 @@ def plan_cells(bench: Any, out: str) -> list[Cell]:
 
 
 def check_same_training(cells: list[Cell]) -> list[str]:
-    """Warnings for methods whose data or step count differ at the same seed (the bench compares like with like)."""
+    """Warnings for methods whose data or step count differ at the same seed (the bench compares like with like).
+
+    Continuations (``train.init_from``) are compared with each other: their extra steps, not their total, must match.
+    """
     warnings, first = [], {}
     for cell in (c for c in cells if c.trained):
         cfg = cell.train_cfg
         key = (cfg.data.train, cfg.data.max_length, cfg.data.tokens_per_batch, cfg.data.limit, cfg.train.max_steps)
-        ref = first.setdefault(cell.seed, (cell.method, key))
+        ref = first.setdefault((cell.seed, bool(cfg.train.get("init_from"))), (cell.method, key))
         if ref[1] != key:
             warnings.append(f"{cell.name} trains on data/steps {key}, {ref[0]} on {ref[1]}: not the same training")
     return warnings
@@ -137,8 +153,10 @@ def check_same_training(cells: list[Cell]) -> list[str]:
 def config_identity(cfg: Any) -> str | None:
     """A training config as YAML without what does not change the draft, or None.
 
-    Left out: ``logging`` (trackers, progress bars) and ``train.stop_after`` (where a process stops, not what it
-    computes: a run stopped there resumes to the same numbers, DESIGN §10).
+    Left out: ``logging`` (trackers, progress bars), ``train.stop_after`` (where a process stops, not what it
+    computes: a run stopped there resumes to the same numbers, DESIGN §10) and the keys added to vat's config since
+    the bench's first version while they are unset (:data:`ADDED_UNSET_KEYS`), so those keys leave the drafts and
+    cells of earlier runs valid.
 
     Args:
         cfg: a config object, or the path of a saved ``config.yaml``.
@@ -155,6 +173,9 @@ def config_identity(cfg: Any) -> str | None:
     data = OmegaConf.to_container(cfg, resolve=True)
     data.pop("logging", None)
     data.get("train", {}).pop("stop_after", None)
+    for section, key in ADDED_UNSET_KEYS:
+        if data.get(section, {}).get(key, None) is None:
+            data.get(section, {}).pop(key, None)
     return OmegaConf.to_yaml(OmegaConf.create(data))
 
 
