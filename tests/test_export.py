@@ -393,3 +393,14 @@ def test_cli_export(trained, capsys):
     assert "not yet supported" in capsys.readouterr().err
     assert main(["export", ckpt, "--format", "sglang", "--output", ckpt]) == 2
     assert main(["export", str(tmp / "missing"), "--format", "sglang", "--output", str(tmp / "x")]) == 2
+    # --target: where the embedding comes from when the recorded target_path has moved
+    moved = tmp / "moved-target"
+    os.rename(tmp / "target", moved)
+    capsys.readouterr()
+    assert main(["export", ckpt, "--format", "speculators", "--output", str(tmp / "cli2")]) == 2
+    assert "target" in capsys.readouterr().err
+    assert main(["export", ckpt, "--format", "speculators", "--output", str(tmp / "cli2"), "--target", str(moved)]) == 0
+    from safetensors.torch import load_file
+
+    shipped = load_file(str(tmp / "cli2" / "model.safetensors"))["embed_tokens.weight"]
+    assert torch.equal(shipped, load_file(str(moved / "model.safetensors"))["model.embed_tokens.weight"])

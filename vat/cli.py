@@ -189,6 +189,9 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="vat checkpoint directory (output_dir/final or checkpoints/step_N)")
     p.add_argument("--format", required=True, choices=["sglang", "speculators", "dflash"])
     p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--target", default=None,
+                   help="target directory or `tiny` whose input embedding a speculators export ships "
+                        "(default: the draft's recorded target_path)")
     p.set_defaults(func=_dispatch("vat.export.cli:main"))
 
 

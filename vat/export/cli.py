@@ -36,7 +36,7 @@ def export_draft(checkpoint: str, fmt: str, output: str, target: str | None = No
 
 
 def main(args: argparse.Namespace) -> int:
-    """CLI entry: ``args.checkpoint``, ``args.format``, ``args.output`` (and ``args.target`` when the CLI has it)."""
-    out = export_draft(args.checkpoint, args.format, args.output, getattr(args, "target", None))
+    """CLI entry: ``args.checkpoint``, ``args.format``, ``args.output``, ``args.target``."""
+    out = export_draft(args.checkpoint, args.format, args.output, args.target)
     print(f"vat: wrote {args.format} EAGLE-3 draft to {out}")
     return 0
