@@ -215,3 +215,11 @@ def test_init_from_a_draft_for_another_target_fails_clearly(workspace, tmp_path)
     src = save_draft(Eagle3Drafter(cfg), cfg, str(tmp_path / "other"))
     with pytest.raises(VatError, match=r"init_from .*other: draft target_hidden_size 2048 ≠ target hidden_size \d+"):
         train_main(_cfg(workspace, str(tmp_path / "run"), f"train.init_from={src}"))
+
+
+def test_init_from_with_a_vocab_file_is_refused_in_one_line(tmp_path):
+    """The imported draft brings its vocabulary: a data.vocab beside it would be silently unused."""
+    from vat.config import load_config
+
+    with pytest.raises(VatError, match=r"^config keys `train.init_from` and `data.vocab` are both set[^\n]*$"):
+        load_config(None, [f"train.init_from={tmp_path}", f"data.vocab={tmp_path / 'v.safetensors'}"])

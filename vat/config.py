@@ -263,6 +263,9 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[list[str]] = N
     except (ConfigKeyError, ConfigAttributeError) as err:
         raise VatError(f"unknown config key: {str(err).splitlines()[0]}") from None
     _check_choices(cfg)
+    if cfg.train.init_from and cfg.data.vocab:
+        raise VatError(f"config keys `train.init_from` and `data.vocab` are both set: the imported draft "
+                       f"{cfg.train.init_from} brings its own draft vocabulary; unset data.vocab")
     apply_method_preset(cfg)
     return cfg  # type: ignore[return-value]
 
