@@ -38,6 +38,7 @@ from vat.data_prep.chat import normalize_record
 from vat.data_prep.readers import ReadStats, iter_records
 
 from vat.errors import VatError, require_file
+from vat.target.cache import cache_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ class Regenerator:
                     input_ids=tokens[:, None],
                     attention_mask=attention_mask,
                     position_ids=positions,
-                    past_key_values=cache,
+                    **cache_kwargs(self.model, cache),
                     use_cache=True,
                 )
                 tokens = self._sample(out.logits[:, -1, :])  # (B,)
@@ -325,7 +326,7 @@ class Regenerator:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0),  # left padding: real tokens from position 0
-                past_key_values=big,
+                **cache_kwargs(model, big),
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -374,7 +375,7 @@ class Regenerator:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0),  # left padding: real tokens from position 0
-                past_key_values=small,
+                **cache_kwargs(model, small),
                 use_cache=True,
                 logits_to_keep=1,
             )

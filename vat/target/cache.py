@@ -1,7 +1,12 @@
 """The target's KV cache during speculative decoding: create, crop, compact to an accepted path, tree masks.
 
-Every touch point with transformers' cache API and its 4-D attention-mask convention lives here (DESIGN §11.9), so a
-transformers upgrade changes one file. Checked on transformers 5.24:
+Every touch point with transformers' cache API and its 4-D attention-mask convention lives here (DESIGN §14.9), so a
+transformers upgrade changes one file. Tested on transformers 5.17 and 5.24 (README, docs/interop.md):
+
+* The cache keyword: models take ``past_key_values`` up to 5.2x and ``cache`` from the rename on (5.24 takes both,
+  ``past_key_values`` deprecated; 5.40 drops it), and their outputs carry ``past_key_values`` or ``cache`` the same
+  way. Every call into a transformers model passes its cache through :func:`cache_kwargs` and reads the returned one
+  with :func:`output_cache`: the one compatibility point for the rename.
 
 * ``DynamicCache`` holds one ``DynamicLayer`` per decoder layer with ``keys`` / ``values`` of shape
   (B, H_kv, S, hd); ``Cache.crop`` takes the number of tokens to *remove* (negative), so vat slices the layers itself.
@@ -11,11 +16,61 @@ transformers upgrade changes one file. Checked on transformers 5.24:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
 
 from vat.errors import VatError
+
+_CACHE_NAMES = ("cache", "past_key_values")  # new name first
+
+
+@functools.cache
+def _cache_keyword_of(forward: Any) -> str:
+    try:
+        params = inspect.signature(forward).parameters  # follows the deprecate_kwarg wrappers (functools.wraps)
+    except (TypeError, ValueError):
+        params = {}
+    for name in _CACHE_NAMES:
+        if name in params:
+            return name
+    return _cache_keyword_of_version()
+
+
+@functools.lru_cache(maxsize=1)
+def _cache_keyword_of_version() -> str:
+    """Fallback for a forward whose signature names neither (``**kwargs`` only): ``past_key_values`` is accepted by
+    every release before 5.40 (natively, or as the deprecated alias of ``cache``), ``cache`` from then on."""
+    import transformers
+    from packaging.version import Version
+
+    return "cache" if Version(transformers.__version__).release >= (5, 40) else "past_key_values"
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``"cache"`` after transformers' rename, else
+    ``"past_key_values"`` (read from the forward's signature, so a model class that was not renamed yet still
+    gets the name it accepts)."""
+    forward = getattr(type(model), "forward", None) or getattr(model, "forward", None)
+    return _cache_keyword_of(forward)
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """``{keyword: cache}`` for a call into a transformers model (empty when ``cache`` is None):
+    ``model(input_ids=..., **cache_kwargs(model, cache))``."""
+    return {} if cache is None else {cache_keyword(model): cache}
+
+
+def output_cache(outputs: Any) -> Any:
+    """The KV cache a transformers model returned (``outputs.cache`` after the rename, ``outputs.past_key_values``
+    before), or None."""
+    for name in _CACHE_NAMES:
+        value = getattr(outputs, name, None)
+        if value is not None:
+            return value
+    return None
 
 
 def new_cache(config: Any = None) -> Any:

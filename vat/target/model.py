@@ -15,6 +15,7 @@ from torch import nn
 
 from vat.errors import VatError
 from vat.target.budget import BudgetSpec, window_groups
+from vat.target.cache import cache_kwargs, output_cache
 from vat.target.conventions import default_aux_layer_ids
 from vat.target.families import FamilyAdapter, adapter_for, decoder_layers, expert_bytes
 from vat.target.routing import RoutingController
@@ -173,8 +174,7 @@ class FrozenTarget(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             use_cache=use_cache, logits_to_keep=logits_to_keep,
         )
-        if past_key_values is not None:
-            kwargs["past_key_values"] = past_key_values
+        kwargs.update(cache_kwargs(self.model, past_key_values))  # transformers' cache keyword (vat/target/cache.py)
         captured: dict[str, torch.Tensor] = {}
         hooks = self._feature_hooks(captured) if output_aux else []
         try:
@@ -192,7 +192,7 @@ class FrozenTarget(nn.Module):
         topk_ids = self.routing.stacked(ctx, batch, length) if capture_routing else None
         return TargetOutput(
             logits=out.logits, aux_hidden=aux, final_hidden=final, topk_ids=topk_ids, window_groups=groups,
-            n_windows=n_groups, past_key_values=out.past_key_values if use_cache else None,
+            n_windows=n_groups, past_key_values=output_cache(out) if use_cache else None,
             n_uncovered=self.routing.uncovered(ctx) if budget is not None else None,
         )
 
