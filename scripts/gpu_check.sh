@@ -77,6 +77,19 @@ print("vat.kernels from", vat.kernels.__file__)
 EOF
 cat "$RESULTS/env.txt"
 [ "$STATUS" -eq 0 ] || exit "$STATUS"
+# transformers below vat's lower bound (pyproject) would fail mid-run: 5.17's eager experts one-hot a dropped slot's id
+# and crash, and it lacks the _is_expert_parallel flag the budgeted grouped_mm relies on. Refuse in one line, at once.
+"$PYTHON" - "$REPO/pyproject.toml" <<'EOF' || exit 2
+import re, sys
+import transformers
+floor = re.search(r'"transformers>=([0-9.]+)', open(sys.argv[1]).read()).group(1)
+have = tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
+if have < tuple(int(x) for x in floor.split(".")[:2]):
+    print(f"[gpu_check] transformers {transformers.__version__} is older than vat's lower bound {floor}: on a "
+          f"machine with a registry run `pip download 'transformers>={floor}' --no-deps -d wheels/` (plus any "
+          f"dependency the image lacks), carry wheels/ here and rerun with --wheels wheels/")
+    sys.exit(1)
+EOF
 
 run_stage() {  # name, seconds, command...: time-limited, logged, status recorded
   local name="$1" limit="$2"; shift 2
