@@ -48,7 +48,10 @@ log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
 # ---- environment: local wheels (optional), vat from this checkout ------------------------------------------------
 if [ -n "$WHEELS" ]; then
   log "installing the wheels in $WHEELS (--no-index)"
-  "$PYTHON" -m pip install --no-index --find-links "$WHEELS" "$WHEELS"/*.whl || { log "wheel install failed"; exit 2; }
+  # the top-level wheels (scripts/gpu_wheels.sh: transformers), their dependencies from DIR only where the image's
+  # own versions do not satisfy them (DIR holds candidates for several Pythons; pip picks the matching one)
+  mapfile -t TOP < <(ls "$WHEELS"/transformers-*.whl 2>/dev/null || ls "$WHEELS"/*.whl)
+  "$PYTHON" -m pip install --no-index --find-links "$WHEELS" "${TOP[@]}" || { log "wheel install failed"; exit 2; }
 fi
 vat_here() { "$PYTHON" - "$REPO" <<'EOF' 2>/dev/null
 import os, sys
