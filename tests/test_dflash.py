@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_model
 
 from vat.drafters.dflash import (
     DFlashConfig,

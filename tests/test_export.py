@@ -390,7 +390,7 @@ def test_cli_export(trained, capsys):
     assert "speculators" in capsys.readouterr().out
     assert read(str(tmp / "cli" / "config.json"))["speculators_model_type"] == "eagle3"
     assert main(["export", ckpt, "--format", "dflash", "--output", str(tmp / "d")]) == 2
-    assert "not yet supported" in capsys.readouterr().err
+    assert "--format dflash needs a DFlash draft" in capsys.readouterr().err  # an EAGLE-3 draft has no DFlash layout
     assert main(["export", ckpt, "--format", "sglang", "--output", ckpt]) == 2
     assert main(["export", str(tmp / "missing"), "--format", "sglang", "--output", str(tmp / "x")]) == 2
     # --target: where the embedding comes from when the recorded target_path has moved

@@ -52,7 +52,9 @@ class DrafterConfig:
     num_key_value_heads: Optional[int] = None
     num_layers: int = 1  # EAGLE-3: 1; DFlash: several
     ttt_steps: int = 7  # EAGLE-3 training-time-test unroll K
-    block_size: int = 16  # DFlash block
+    block_size: int = 16  # DFlash block: the anchor + block_size - 1 drafted tokens (8 for the tiny target)
+    num_anchors: int = 512  # DFlash: random anchors (one block each) per sequence, from loss-masked positions
+    mask_token_id: Optional[int] = None  # DFlash: null = the target tokenizer's MASK token (added if it has none)
     norm_before_residual: bool = False
     norm_before_fc: bool = False
     fc_norm: bool = False
@@ -65,7 +67,7 @@ class DrafterConfig:
 class LossConfig:
     decay: float = 0.8  # EAGLE-3 base weight w_k = decay^k
     dflash_gamma: Optional[float] = None  # DFlash base weight exp(-(k-1)/gamma); null = 7 (block 16) scaled
-    soft_weight: float = 1.0  # soft CE against the target distribution on the draft vocab
+    soft_weight: Optional[float] = None  # soft CE against the target distribution on the draft vocab; null = from method
     hard_weight: Optional[float] = None  # hard CE on the target's argmax; null = from method
     adaptive_weights: Optional[bool] = None  # verification-adaptive weighting; null = from method
     prefix_only: bool = False  # ablation: zero weight after the first rejection (documented collapse)
@@ -79,6 +81,8 @@ class LossConfig:
     affinity: Optional[str] = None  # precomputed affinity table (`vat prep affinity`); null = online EMA
     affinity_ema: float = 0.99
     acceptance: str = "greedy"  # greedy | expected | sampled (simulated verification rule)
+    imitation_norm: Optional[str] = None  # anchors (VAT paper: sum over slots, mean over anchors) | weight_sum (DFlash:
+    # weighted mean over slots); null = from method
 
 
 @dataclass
@@ -142,11 +146,17 @@ class VatConfig:
 
 METHOD_PRESETS: dict[str, dict[str, Any]] = {
     # the canonical EAGLE-3 recipe: fixed 0.8^k weights, soft CE only
-    "eagle3": {"adaptive_weights": False, "vh_weight": 0.0, "hard_weight": 0.0, "verification_head": False},
+    "eagle3": {"adaptive_weights": False, "vh_weight": 0.0, "soft_weight": 1.0, "hard_weight": 0.0,
+               "imitation_norm": "anchors", "verification_head": False},
     # VAT: verification-adaptive weights + verification head (beta = 1) + hard CE beside the soft one
-    "vat": {"adaptive_weights": True, "vh_weight": 1.0, "hard_weight": 1.0, "verification_head": True},
-    "dflash": {"adaptive_weights": False, "vh_weight": 0.0, "hard_weight": 1.0, "verification_head": False},
-    "dflash_vat": {"adaptive_weights": True, "vh_weight": 1.0, "hard_weight": 1.0, "verification_head": True},
+    "vat": {"adaptive_weights": True, "vh_weight": 1.0, "soft_weight": 1.0, "hard_weight": 1.0,
+            "imitation_norm": "anchors", "verification_head": True},
+    # the DFlash recipe: hard CE on the data token, exp(-(k-1)/gamma) weights, normalised by the weight sum
+    "dflash": {"adaptive_weights": False, "vh_weight": 0.0, "soft_weight": 0.0, "hard_weight": 1.0,
+               "imitation_norm": "weight_sum", "verification_head": False},
+    # DFlash + VAT: the VAT objective (soft + hard, adaptive weights re-anchored on the DFlash schedule, VH per slot)
+    "dflash_vat": {"adaptive_weights": True, "vh_weight": 1.0, "soft_weight": 1.0, "hard_weight": 1.0,
+                   "imitation_norm": "anchors", "verification_head": True},
 }
 
 
@@ -303,7 +313,7 @@ def apply_method_preset(cfg: Any) -> None:
     if cfg.method not in METHOD_PRESETS:
         raise VatError(f"unknown method `{cfg.method}`{_closest(cfg.method, list(METHOD_PRESETS))}; one of {sorted(METHOD_PRESETS)}")
     preset = METHOD_PRESETS[cfg.method]
-    for key in ("adaptive_weights", "vh_weight", "hard_weight"):
+    for key in ("adaptive_weights", "vh_weight", "soft_weight", "hard_weight", "imitation_norm"):
         if cfg.loss[key] is None:
             cfg.loss[key] = preset[key]
     if cfg.drafter.verification_head is None:

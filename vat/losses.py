@@ -25,6 +25,7 @@ from vat.verify import ACCEPTANCE_RULES, TargetDist, VerificationResult, simulat
 
 DRAFTER_KINDS = ("eagle3", "dflash")
 UNION_NORMS = ("grad_ratio", "none")
+IMITATION_NORMS = ("anchors", "weight_sum")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -341,6 +342,7 @@ class LossSwitches:
     decay: float = 0.8  # EAGLE-3 base weight decay**k
     dflash_gamma: float | None = None  # DFlash base weight exp(-k/gamma); None = 7 * block_size / 16
     kind: str = "eagle3"  # eagle3 | dflash: which base schedule
+    imitation_norm: str = "anchors"  # anchors: Σ_k over slots, mean over anchors (VAT) | weight_sum: Σ w ℓ / Σ w (DFlash)
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_RULES:
@@ -351,6 +353,8 @@ class LossSwitches:
             raise VatError(f"loss.union_top_m must be >= 1, got {self.union_top_m}")
         if self.union_norm not in UNION_NORMS:
             raise VatError(f"loss.union_norm must be one of {list(UNION_NORMS)}, got `{self.union_norm}`")
+        if self.imitation_norm not in IMITATION_NORMS:
+            raise VatError(f"loss.imitation_norm must be one of {list(IMITATION_NORMS)}, got `{self.imitation_norm}`")
 
     @classmethod
     def from_config(cls, loss_cfg: Any, kind: str = "eagle3", block_size: int | None = None) -> LossSwitches:
@@ -371,6 +375,7 @@ class LossSwitches:
             decay=float(loss_cfg.decay),
             dflash_gamma=None if gamma is None else float(gamma),
             kind=kind,
+            imitation_norm=str(getattr(loss_cfg, "imitation_norm", None) or "anchors"),
         )
 
     def base_weights(self, K: int, device: torch.device | None = None) -> Tensor:
@@ -399,6 +404,8 @@ def vat_objective(
     ``L = (1/N) Σ_anchors Σ_k ŵ_k (soft_weight·ℓ_soft + hard_weight·ℓ_hard) + vh_weight·L_VH + λ·s·L_union``:
     the imitation term is summed over draft positions and averaged over the N anchors that have an imitation
     position (SpecForge's Σ_k w_k·mean_t ℓ and the paper's per-anchor sum), so ``vh_weight = 1`` is the paper's β.
+    With ``imitation_norm = weight_sum`` (the DFlash recipe) the imitation term is instead ``Σ ŵ ℓ / Σ ŵ`` over every
+    imitation position (a weighted mean; N is replaced by the weight sum).
     With ``union_norm = grad_ratio`` the stop-gradient scale s makes the union term's gradient on the (sampled
     anchors') draft logits exactly λ times the imitation term's there, whatever the target's layers, experts and
     top-k; with ``none`` s = 1 and ``L_union = mean U / E``.
@@ -448,6 +455,10 @@ def vat_objective(
         wm = w * imit.float()  # (..., K)
         weight_sum = wm.sum()
         anchors = imit.any(-1).float().sum()  # N: anchors with at least one imitation position
+        if switches.imitation_norm == "weight_sum":  # the imitation term's divisor
+            denom = weight_sum.clamp_min(1e-6)
+        else:
+            denom = anchors.clamp_min(1.0)
 
     metrics: dict[str, Tensor] = {}
     loss = draft_logits.new_zeros((), dtype=torch.float32)
@@ -460,7 +471,7 @@ def vat_objective(
             ids = target.argmax_draft.clamp_min(0).unsqueeze(-1)  # (..., K, 1)
             per_pos = per_pos + switches.hard_weight * -logq.gather(-1, ids).squeeze(-1)
         per_pos = torch.where(imit, per_pos, torch.zeros_like(per_pos))  # (..., K)
-        loss = loss + (wm * per_pos).sum() / anchors.clamp_min(1.0)
+        loss = loss + (wm * per_pos).sum() / denom
         metrics["loss_k_sum"] = per_pos.detach().sum(lead) if lead else per_pos.detach()
         metrics["loss_k_count"] = imit.float().sum(lead) if lead else imit.float()
     metrics["weight_sum"] = weight_sum
@@ -495,7 +506,7 @@ def vat_objective(
         if switches.union_weight:
             scale = torch.ones((), device=dev)
             if switches.union_norm == "grad_ratio" and penalty.requires_grad:
-                g_imit = imitation_logit_grad(u_logits.detach(), u_target, u_wm, switches, anchors)
+                g_imit = imitation_logit_grad(u_logits.detach(), u_target, u_wm, switches, denom)
                 (g_union,) = torch.autograd.grad(penalty, u_logits, retain_graph=True)
                 scale = union_grad_scale(g_imit, g_union)
             loss = loss + switches.union_weight * scale * penalty
@@ -508,18 +519,18 @@ def vat_objective(
 
 @torch.no_grad()
 def imitation_logit_grad(
-    draft_logits: Tensor, target: TargetDist, weights: Tensor, switches: LossSwitches, anchors: Tensor
+    draft_logits: Tensor, target: TargetDist, weights: Tensor, switches: LossSwitches, denom: Tensor
 ) -> Tensor:
     """Gradient of :func:`vat_objective`'s imitation term with respect to the draft logits, in closed form.
 
-    ``∂/∂z [ŵ (s·ℓ_soft + h·ℓ_hard) / N] = ŵ/N · (s (softmax z - p) + h (softmax z - e_y))`` per position.
+    ``∂/∂z [ŵ (s·ℓ_soft + h·ℓ_hard) / D] = ŵ/D · (s (softmax z - p) + h (softmax z - e_y))`` per position.
 
     Args:
         draft_logits: ``(..., K, V_d)``.
         target: :class:`TargetDist` with fields ``(..., K[, V_d])``.
         weights: ``(..., K)`` adaptive or base weights times the imitation mask.
         switches: the soft and hard weights.
-        anchors: ``()`` N, the imitation term's denominator.
+        denom: ``()`` D, the imitation term's divisor (N anchors, or the weight sum), clamped positive.
 
     Returns:
         ``(..., K, V_d)`` fp32.
@@ -531,7 +542,7 @@ def imitation_logit_grad(
     if switches.hard_weight:
         onehot = torch.zeros_like(q).scatter_(-1, target.argmax_draft.clamp_min(0).unsqueeze(-1), 1.0)
         grad += switches.hard_weight * (q - onehot)
-    return grad * (weights / anchors.clamp_min(1.0)).unsqueeze(-1)
+    return grad * (weights / denom).unsqueeze(-1)
 
 
 def union_grad_scale(imitation_grad: Tensor, union_grad: Tensor) -> Tensor:

@@ -1,9 +1,12 @@
-"""`vat train RECIPE.yaml [key=value ...]`: train an EAGLE-3 draft (baseline or VAT) against a frozen MoE target.
+"""`vat train RECIPE.yaml [key=value ...]`: train an EAGLE-3 or DFlash draft (baseline or VAT) against a frozen MoE
+target.
 
 One step (online mode): the frozen target runs once under ``torch.no_grad`` — windowed-budgeted when
 ``budget.B`` is set — and gives the aux features, the logits and the executed routing; the draft runs its
-training-time-test unroll; :func:`vat.losses.vat_objective` simulates verification and returns the loss and metric
-sums; accelerate handles devices, mixed precision, gradient accumulation and DDP.
+training forward (EAGLE-3: the training-time-test unroll; DFlash: one block per sampled anchor), which
+:mod:`vat.slots` puts in the shared (B, anchors, K) slot layout; :func:`vat.losses.vat_objective` simulates
+verification and returns the loss and metric sums; accelerate handles devices, mixed precision, gradient
+accumulation and DDP.
 
 ``main(cfg)`` is setup -> run -> cleanup; the CLI only builds the config.
 """
@@ -68,8 +71,6 @@ class Trainer:
         from vat.target import load_target
 
         cfg = self.cfg
-        if cfg.drafter.kind != "eagle3":
-            raise VatError(f"drafter.kind `{cfg.drafter.kind}` is not available yet; use eagle3")
         mixed = cfg.train.mixed_precision
         if mixed == "auto":
             mixed = "bf16" if torch.cuda.is_available() else "no"
@@ -128,7 +129,11 @@ class Trainer:
         )
         self.batches_per_epoch = len(self.batches)
         vocab_path = cfg.data.vocab
-        if cfg.train.init_from:  # the imported draft brings its own vocabulary
+        if cfg.drafter.kind == "dflash":  # DFlash predicts over the target's whole vocabulary (its LM head)
+            if vocab_path is not None:
+                raise VatError(f"config key `data.vocab` is set ({vocab_path}) but a DFlash draft predicts over the "
+                               "target's full vocabulary through its LM head; unset data.vocab")
+        elif cfg.train.init_from:  # the imported draft brings its own vocabulary
             vocab_path = cfg.train.init_from
         elif vocab_path is None:
             cache = os.path.join(cfg.output_dir, "vocab")
@@ -145,6 +150,10 @@ class Trainer:
         drafter = self._import_drafter() if self.cfg.train.init_from else self._new_drafter()
         self.draft_config = drafter.config
         self.drafter = drafter.to(self.device)
+        if self.cfg.drafter.kind == "dflash":  # the target's vocabulary: no draft-vocab map
+            self.draft_to_target = None
+            self.target_to_draft = torch.arange(self.target.vocab_size, device=self.device)
+            return
         d2t = drafter.d2t.cpu()
         # absolute target ids of the draft vocab: used[i] = i + d2t[i]
         self.draft_to_target = (torch.arange(d2t.shape[0]) + d2t).to(self.device)
@@ -157,6 +166,21 @@ class Trainer:
         from vat.export.init_from import init_draft_from
 
         cfg, target = self.cfg, self.target
+        if cfg.drafter.kind == "dflash":
+            from vat.export.init_from import init_dflash_from
+
+            drafter = init_dflash_from(
+                cfg.train.init_from, target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
+                num_target_layers=target.num_layers, target_layer_ids=list(target.aux_layer_ids),
+                embed_weight=target.embed_tokens().weight.detach(), lm_head_weight=target.lm_head().weight.detach(),
+                verification_head=bool(cfg.drafter.verification_head), block_size=cfg.drafter.block_size,
+                target_path=target.path or str(cfg.target.path),
+            )
+            if self.is_main:
+                c = drafter.config
+                print(f"[vat] init_from {cfg.train.init_from}: DFlash, {c.num_hidden_layers} layers, target layers "
+                      f"{c.target_layer_ids}, mask token {c.mask_token_id} (drafter.* architecture keys unused)")
+            return drafter
         drafter = init_draft_from(
             cfg.train.init_from, target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
             num_target_layers=target.num_layers, aux_layer_ids=list(target.aux_layer_ids),
@@ -176,6 +200,8 @@ class Trainer:
         from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter, check_draft_matches_target
 
         cfg, target = self.cfg, self.target
+        if cfg.drafter.kind == "dflash":
+            return self._new_dflash()
         d2t, t2d = load_draft_vocab(self.vocab_path)
         overrides: dict[str, Any] = dict(
             draft_vocab_size=int(d2t.shape[0]), aux_layer_ids=list(target.aux_layer_ids),
@@ -196,13 +222,49 @@ class Trainer:
         drafter.set_vocab_mapping(d2t, t2d)
         return drafter
 
+    def _new_dflash(self):
+        """A freshly initialised DFlash draft: the target's dims, ``drafter.num_layers`` layers, context from
+        ``target.aux_layer_ids`` (default: spread from layer 1 to L-3), the target tokenizer's MASK token."""
+        from vat.drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_matches_target
+        from vat.drafters.dflash_config import default_target_layer_ids, resolve_mask_token_id
+
+        cfg, target = self.cfg, self.target
+        if cfg.target.aux_layer_ids is None:  # DFlash's default context layers, not EAGLE-3's three
+            target.aux_layer_ids = default_target_layer_ids(target.num_layers, cfg.drafter.num_layers)
+        mask = cfg.drafter.mask_token_id
+        if mask is None and target.path:
+            from transformers import AutoTokenizer
+
+            mask = resolve_mask_token_id(AutoTokenizer.from_pretrained(target.path), target.vocab_size)
+        if mask is None:
+            raise VatError("the target has no tokenizer to take the DFlash MASK token from: set drafter.mask_token_id")
+        overrides: dict[str, Any] = dict(
+            num_hidden_layers=cfg.drafter.num_layers, target_layer_ids=list(target.aux_layer_ids),
+            block_size=cfg.drafter.block_size, mask_token_id=int(mask),
+            verification_head=bool(cfg.drafter.verification_head), target_path=target.path or str(cfg.target.path),
+            vocab_size=target.vocab_size,
+        )
+        if cfg.drafter.hidden_size not in (None, target.hidden_size):
+            raise VatError(f"drafter.hidden_size {cfg.drafter.hidden_size}: a DFlash draft reads the target's "
+                           f"embedding and LM head, so its hidden size is the target's ({target.hidden_size})")
+        for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "rope_theta"):
+            if cfg.drafter[key] is not None:
+                overrides[key] = cfg.drafter[key]
+        if cfg.drafter.num_attention_heads is not None:
+            overrides["head_dim"] = target.hidden_size // cfg.drafter.num_attention_heads
+        draft_config = DFlashConfig.for_target(target.config, **overrides)
+        check_dflash_matches_target(draft_config, target.hidden_size, target.vocab_size, target.num_layers)
+        torch.manual_seed(self.cfg.seed)
+        return DFlashDrafter(draft_config, target.embed_tokens().weight.detach(), target.lm_head().weight.detach())
+
     def _setup_losses(self) -> None:
         from vat.affinity import OnlineAffinity
         from vat.losses import LossSwitches
 
         cfg, target = self.cfg, self.target
-        self.switches = LossSwitches.from_config(cfg.loss, kind="eagle3")
-        self.K = int(cfg.drafter.ttt_steps)
+        self.switches = LossSwitches.from_config(cfg.loss, kind=cfg.drafter.kind, block_size=cfg.drafter.block_size)
+        # draft positions per anchor: TTT steps, or the block's drafted slots
+        self.K = int(self.draft_config.num_slots if cfg.drafter.kind == "dflash" else cfg.drafter.ttt_steps)
         self.affinity = None
         # the union is simulated (and logged) for every method so runs compare; it is penalised only when λ > 0
         if cfg.loss.affinity is not None:
@@ -266,33 +328,51 @@ class Trainer:
 
         return replace(self.budget, offset=rng.randrange(self.budget_window))
 
-    def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from vat.losses import ttt_anchor_routing, vat_objective
-        from vat.verify import onpolicy_censor, simulate_verification, target_dist
+    def _draft_slots(self, batch: dict[str, torch.Tensor], tout, dist):
+        """The draft's training forward on a batch, in the (B, anchors, K) slot layout of :mod:`vat.slots`."""
+        from vat.slots import block_slots, ttt_slots
 
         input_ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        tout = self.target.forward(input_ids, attention_mask=attention, budget=budget)
+        # on data that is not the target's own, the simulated chain leaves real verification at the first data token
+        # that is not the target's argmax: later slots are censored, not rejected (DESIGN §4.3)
+        onpolicy, E = bool(self.cfg.loss.onpolicy_chain), self.target.num_experts
+        if self.cfg.drafter.kind == "dflash":
+            from vat.drafters.dflash import sample_block_anchors
+
+            # seeded by the data position (not the global RNG): a resumed run draws the same anchors
+            gen = torch.Generator().manual_seed(
+                self.cfg.seed * 1_000_003 + 7919 * self.position.epoch + self.position.batch_index
+                + 104_729 * self.accelerator.process_index)
+            anchors = sample_block_anchors(loss_mask, attention, self.draft_config.block_size,
+                                           self.cfg.drafter.num_anchors, gen)  # (B, N)
+            with self.accelerator.autocast():
+                out = self.drafter(tout.aux_hidden, input_ids, anchors, attention, vh_detach=self.cfg.loss.vh_detach)
+            return block_slots(out, dist, batch, tout.topk_ids, E, anchors, onpolicy)
         with self.accelerator.autocast():
             out = self.drafter(tout.aux_hidden, input_ids, attention, ttt_steps=self.K,
                                vh_detach=self.cfg.loss.vh_detach)
+        return ttt_slots(out, dist, batch, tout.topk_ids, E, self.K, onpolicy)
+
+    def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from vat.losses import vat_objective
+        from vat.verify import simulate_verification, target_dist
+
+        input_ids, attention = batch["input_ids"], batch["attention_mask"]
+        tout = self.target.forward(input_ids, attention_mask=attention, budget=budget)
         dist = target_dist(tout.logits, self.draft_to_target)  # fields (B, T, ·)
-        gathered, valid = dist.gather_ttt(self.K, loss_mask, attention)  # (B, T, K, ·), (B, T, K)
+        slots = self._draft_slots(batch, tout, dist)  # (B, A, K, ·)
+        valid, censored = slots.valid, slots.censored
         topk = tout.topk_ids  # (L', B, T, k)
-        # the verification block of anchor t starts with the root token t+1, whose routing is known exactly
-        anchor_routing = ttt_anchor_routing(topk, self.target.num_experts)  # (B, T, L', E)
-        # on data that is not the target's own, the teacher-forced chain leaves real verification at the first data
-        # token that is not the target's argmax: later steps are censored, not rejected (DESIGN §4.3)
-        censored = onpolicy_censor(input_ids, dist.argmax, self.K) if self.cfg.loss.onpolicy_chain else None
-        verification = simulate_verification(out.logits, gathered, valid, acceptance=self.switches.acceptance,
+        verification = simulate_verification(slots.logits, slots.target, valid, acceptance=self.switches.acceptance,
                                              censored=censored)
         if censored is not None:
             metrics_extra = {"censored_sum": (censored & valid).float().sum(), "censored_count": valid.float().sum()}
         else:
             metrics_extra = {}
-        vh_logits = out.vh_logits  # (B, T, K) or None
+        vh_logits = slots.vh_logits  # (B, A, K) or None
         loss, metrics = vat_objective(
-            out.logits, gathered, valid, self.switches, vh_logits=vh_logits,
-            affinity=self.affinity.table(), anchor_routing=anchor_routing, verification=verification,
+            slots.logits, slots.imitation, valid, self.switches, vh_logits=vh_logits,
+            affinity=self.affinity.table(), anchor_routing=slots.anchor_routing, verification=verification,
             union_anchors=self._union_anchors(verification.anchor_valid),
         )
         if vh_logits is not None:  # kept for an exact AUC over the logging window
@@ -495,12 +575,19 @@ class Trainer:
     def load_state(self, directory: str) -> None:
         from vat.drafters.eagle3 import Eagle3Config, check_draft_matches_target
 
-        with open(os.path.join(directory, "config.json")) as f:
-            saved = json.load(f)
-        fields = {k: v for k, v in saved.items() if k in Eagle3Config.__dataclass_fields__}
-        check_draft_matches_target(
-            Eagle3Config(**fields), self.target.hidden_size, self.target.vocab_size, self.target.num_layers
-        )
+        if self.cfg.drafter.kind == "dflash":
+            from vat.drafters.dflash import check_dflash_matches_target
+            from vat.export.checkpoint import read_draft_config
+
+            check_dflash_matches_target(read_draft_config(directory), self.target.hidden_size, self.target.vocab_size,
+                                        self.target.num_layers)
+        else:
+            with open(os.path.join(directory, "config.json")) as f:
+                saved = json.load(f)
+            fields = {k: v for k, v in saved.items() if k in Eagle3Config.__dataclass_fields__}
+            check_draft_matches_target(
+                Eagle3Config(**fields), self.target.hidden_size, self.target.vocab_size, self.target.num_layers
+            )
         state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
         self.accelerator.unwrap_model(self.drafter).load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])

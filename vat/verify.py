@@ -263,9 +263,38 @@ def onpolicy_censor(input_ids: Tensor, target_argmax: Tensor, K: int) -> Tensor:
     if T > 1:
         mismatch[:, :-1] = input_ids[:, 1:] != target_argmax[:, :-1]
     mismatch_k, _ = gather_ttt_targets(mismatch, K)  # (B, T, K): at index t+1+k; past the end: no mismatch
-    # censored[k] = any mismatch at steps j < k: shift right by one (step 0 never), running OR
-    earlier = torch.cat([torch.zeros_like(mismatch_k[..., :1]), mismatch_k[..., :-1]], dim=-1)  # (B, T, K)
-    return torch.cummax(earlier.long(), dim=-1).values.bool()
+    return _censor_after_mismatch(mismatch_k)
+
+
+@torch.no_grad()
+def onpolicy_censor_block(input_ids: Tensor, target_argmax: Tensor, anchors: Tensor, K: int) -> Tensor:
+    """:func:`onpolicy_censor` for DFlash blocks: slots whose simulated verification is not the real one.
+
+    Slot k of the block at anchor a is compared with the target's argmax at index ``a + k``, which the target computed
+    reading the data tokens ``a+1 .. a+k``; real verification reads the accepted drafts there, i.e. the target's own
+    argmax chain. Slot k is observed iff ``input_ids[a+1+j] == argmax[a+j]`` for j = 0..k-1 (slot 0 always).
+
+    Args:
+        input_ids: ``(B, T)`` data tokens.
+        target_argmax: ``(B, T)`` the target's argmax at each position (predicts token t + 1).
+        anchors: ``(B, N)`` anchor positions, ``-1`` = padding.
+        K: slots per block (``block_size - 1``).
+
+    Returns:
+        ``(B, N, K)`` bool, True where the slot is censored.
+    """
+    B, T = input_ids.shape
+    mismatch = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)  # (B, T): data token i+1 != argmax at i
+    if T > 1:
+        mismatch[:, :-1] = input_ids[:, 1:] != target_argmax[:, :-1]
+    mismatch_k, _ = gather_block_targets(mismatch, anchors, K)  # (B, N, K): at index a+k
+    return _censor_after_mismatch(mismatch_k)
+
+
+def _censor_after_mismatch(mismatch_k: Tensor) -> Tensor:
+    """``(..., K)`` mismatch of each position -> censored[k] = any mismatch at positions j < k (position 0 never)."""
+    earlier = torch.cat([torch.zeros_like(mismatch_k[..., :1]), mismatch_k[..., :-1]], dim=-1)  # shift right by one
+    return torch.cummax(earlier.long(), dim=-1).values.bool()  # running OR
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -10,8 +10,12 @@ A vat EAGLE-3 checkpoint directory (written by the trainer through :func:`save_d
     verification_head.safetensors   verification_head.weight (1, H), verification_head.bias (1,) -- when the draft
                                     has a verification head
 
-Dependencies run one way: :mod:`vat.export.sglang` and :mod:`vat.export.speculators` import this module and register
-their layout here (:func:`register_format`); this module imports neither. ``vat.export`` imports both, so every
+A DFlash draft's checkpoint is the public DFlash release layout itself (:mod:`vat.export.dflash`, which registers its
+loader and its writer here).
+
+Dependencies run one way: :mod:`vat.export.sglang`, :mod:`vat.export.speculators` and :mod:`vat.export.dflash` import
+this module and register their layout here (:func:`register_format`, :func:`register_writer`); this module imports
+none of them. ``vat.export`` imports both, so every
 layout is registered before anything can call :func:`load_draft`. See ``docs/export.md``.
 """
 
@@ -127,6 +131,13 @@ def draft_state(model: Eagle3Drafter) -> tuple[dict[str, torch.Tensor], dict[str
             continue
         (vh if name.startswith("verification_head.") else main)[name] = tensor
     return main, vh
+
+
+def _unwrap(model: Any) -> Any:
+    """The drafter inside DDP / FSDP / torch.compile wrappers."""
+    while hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
 
 
 def unwrap_draft(model: Any) -> Eagle3Drafter:
@@ -306,10 +317,20 @@ def vat_config_dict(cfg: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
     return data
 
 
-def save_draft(model: Eagle3Drafter, cfg: Eagle3Config | None, directory: str) -> str:
-    """Write a vat EAGLE-3 checkpoint (config.json, model.safetensors, optional verification_head.safetensors).
+# drafter class -> writer of its checkpoint (``(model, directory) -> directory``), for drafters other than EAGLE-3
+WRITERS: dict[type, Callable[[Any, str], str]] = {}
 
-    Each file is written to a temporary name and renamed. The embedding is never written.
+
+def register_writer(cls: type, writer: Callable[[Any, str], str]) -> None:
+    """Make :func:`save_draft` write drafters of class ``cls`` with ``writer`` (a layout module registers itself)."""
+    WRITERS[cls] = writer
+
+
+def save_draft(model: Any, cfg: Eagle3Config | None, directory: str) -> str:
+    """Write a vat checkpoint: EAGLE-3 (config.json, model.safetensors, optional verification_head.safetensors), or
+    the layout registered for another drafter class (DFlash: its release layout).
+
+    Each file is written to a temporary name and renamed. The target's embedding (and LM head) is never written.
 
     Args:
         model: the draft (DDP / compile wrappers are unwrapped).
@@ -319,6 +340,10 @@ def save_draft(model: Eagle3Drafter, cfg: Eagle3Config | None, directory: str) -
     Returns:
         ``directory``.
     """
+    inner = _unwrap(model)
+    if type(inner) in WRITERS:
+        os.makedirs(directory, exist_ok=True)
+        return WRITERS[type(inner)](inner, directory)
     model = unwrap_draft(model)
     cfg = cfg or model.config
     os.makedirs(directory, exist_ok=True)
@@ -356,16 +381,19 @@ class DraftFormat:
     """One on-disk draft layout, as :func:`load_draft` sees it.
 
     Attributes:
-        name: ``"vat"``, ``"speculators"``, ``"sglang"``.
+        name: ``"vat"``, ``"speculators"``, ``"sglang"``, ``"dflash"``.
         priority: detection order (lower first; speculators before SGLang, whose test would match it too).
         detect: config.json -> True when the layout is this one (may raise :class:`VatError` for a near miss).
-        parse: (config.json, directory) -> :class:`Eagle3Config` (weights are read by :func:`load_draft`).
+        parse: (config.json, directory) -> the draft's config (:class:`Eagle3Config` for EAGLE-3 layouts).
+        load: ``(directory, embed_weight, device, dtype) -> (model, cfg)`` for a layout of another drafter; None =
+            an EAGLE-3 layout whose weights :func:`load_draft` reads itself.
     """
 
     name: str
     priority: int
     detect: Callable[[dict[str, Any]], bool]
-    parse: Callable[[dict[str, Any], str], Eagle3Config]
+    parse: Callable[[dict[str, Any], str], Any]
+    load: Callable[..., tuple[Any, Any]] | None = None
 
 
 FORMATS: dict[str, DraftFormat] = {}
@@ -385,11 +413,13 @@ def detect_format(config: dict[str, Any]) -> str:
         if fmt.detect(config):
             return fmt.name
     archs = config.get("architectures") or []
-    raise VatError(f"not an EAGLE-3 draft config (architectures={archs}); expected a vat, SGLang or speculators export")
+    raise VatError(f"not an EAGLE-3 draft or a DFlash draft config (architectures={archs}); expected a vat, SGLang "
+                   "or speculators export, or the DFlash release layout")
 
 
-def read_draft_config(directory: str) -> Eagle3Config:
-    """The :class:`Eagle3Config` of a draft directory in any registered layout (weights are not read)."""
+def read_draft_config(directory: str) -> Any:
+    """The config of a draft directory in any registered layout (weights are not read): :class:`Eagle3Config`, or
+    :class:`vat.drafters.dflash.DFlashConfig` for a DFlash draft."""
     if not os.path.isdir(directory):
         raise VatError(f"draft directory not found: {directory}")
     config = read_json(os.path.join(directory, CONFIG_FILE))
@@ -450,8 +480,10 @@ def load_draft(
     embed_weight: torch.Tensor | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
-) -> tuple[Eagle3Drafter, Eagle3Config]:
-    """Load an EAGLE-3 draft written by vat, exported for SGLang, or in the speculators (vLLM) layout.
+) -> tuple[Any, Any]:
+    """Load an EAGLE-3 draft written by vat, exported for SGLang, or in the speculators (vLLM) layout; or a DFlash
+    draft (its release layout; vat's DFlash checkpoints are that layout). A DFlash draft also needs the target's LM
+    head: ``model.set_lm_head``.
 
     Args:
         directory: the draft directory (``config.json`` + ``model.safetensors``).
@@ -466,6 +498,11 @@ def load_draft(
     Raises:
         VatError: missing files, an unrecognised config, or weights that do not fit the config.
     """
+    if not os.path.isdir(directory):
+        raise VatError(f"draft directory not found: {directory}")
+    fmt = FORMATS[detect_format(read_json(os.path.join(directory, CONFIG_FILE)))]
+    if fmt.load is not None:
+        return fmt.load(directory, embed_weight, device, dtype)
     cfg = read_draft_config(directory)
     state, shipped_embedding = normalize_state(read_weights(directory), cfg, directory)
 

@@ -14,22 +14,27 @@ def export_draft(checkpoint: str, fmt: str, output: str, target: str | None = No
     Args:
         checkpoint: vat checkpoint directory (``output_dir/final``, ``checkpoints/step_N``), or an SGLang /
             speculators export.
-        fmt: ``sglang`` or ``speculators`` (``dflash`` is not supported yet).
+        fmt: ``sglang`` or ``speculators`` for an EAGLE-3 draft, ``dflash`` (the DFlash release layout) for a DFlash
+            draft.
         output: output directory (must differ from ``checkpoint``).
         target: the target whose input embedding a speculators export ships; None = the draft's ``target_path``.
 
     Returns:
         ``output``.
     """
-    from vat.export import export_sglang, export_speculators, load_draft
+    from vat.drafters.dflash import DFlashDrafter
+    from vat.export import export_dflash, export_sglang, export_speculators, load_draft
 
-    if fmt == "dflash":
-        raise VatError("export format 'dflash' is not yet supported")
-    if fmt not in ("sglang", "speculators"):
-        raise VatError(f"unknown export format {fmt!r} (choose from sglang, speculators)")
+    if fmt not in ("sglang", "speculators", "dflash"):
+        raise VatError(f"unknown export format {fmt!r} (choose from sglang, speculators, dflash)")
     if os.path.abspath(output) == os.path.abspath(checkpoint):
         raise VatError("--output must differ from the checkpoint directory")
     model, _ = load_draft(checkpoint)
+    if fmt == "dflash":
+        return export_dflash(model, output)
+    if isinstance(model, DFlashDrafter):
+        raise VatError(f"{checkpoint} is a DFlash draft: export it with --format dflash (the layout SGLang and vLLM "
+                       "load DFlash drafts from)")
     if fmt == "sglang":
         return export_sglang(model, output)
     return export_speculators(model, output, target=target)
@@ -38,5 +43,5 @@ def export_draft(checkpoint: str, fmt: str, output: str, target: str | None = No
 def main(args: argparse.Namespace) -> int:
     """CLI entry: ``args.checkpoint``, ``args.format``, ``args.output``, ``args.target``."""
     out = export_draft(args.checkpoint, args.format, args.output, args.target)
-    print(f"vat: wrote {args.format} EAGLE-3 draft to {out}")
+    print(f"vat: wrote {args.format} {'DFlash' if args.format == 'dflash' else 'EAGLE-3'} draft to {out}")
     return 0

@@ -1,4 +1,5 @@
-"""``train.init_from``: start training from an existing EAGLE-3 draft (vat, SGLang or speculators layout).
+"""``train.init_from``: start training from an existing EAGLE-3 draft (vat, SGLang or speculators layout), or a DFlash
+draft (its release layout, :func:`init_dflash_from`).
 
 The source fixes the architecture (dims, every norm flag, ``norm_output``, ``sliding_window``) and the draft vocabulary
 (its d2t / t2d; none = the full target vocabulary); the recipe decides what training adds: the TTT unroll and whether
@@ -104,6 +105,8 @@ def init_draft_from(
     """
     where = f"init_from {directory}"
     cfg = read_draft_config(directory)
+    if not isinstance(cfg, Eagle3Config):
+        raise VatError(f"{where} is a {type(cfg).__name__.removesuffix('Config')} draft: set drafter.kind=dflash")
     ids = check_source_fits_target(
         cfg,
         where,
@@ -129,6 +132,66 @@ def init_draft_from(
         target_path=target_path or cfg.target_path,
     )
     model = Eagle3Drafter(new_cfg, embed_weight=embed_weight)  # a fresh head starts at the prior
+    state = {k: v for k, v in source.state_dict().items() if keep_head or not k.startswith(VH_PREFIX)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(not k.startswith(VH_PREFIX) for k in missing):
+        raise VatError(f"{where}: weights do not fit (missing {missing}, unexpected {unexpected})")
+    return model.train()
+
+
+def init_dflash_from(
+    directory: str,
+    *,
+    target_hidden_size: int,
+    target_vocab_size: int,
+    num_target_layers: int,
+    target_layer_ids: list[int],
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    verification_head: bool,
+    block_size: int | None = None,
+    target_path: str | None = None,
+):
+    """Load a DFlash draft to continue training it on this target (fp32, train mode, target tables attached).
+
+    The source fixes the architecture, the context layers and the MASK token; the recipe decides the block size it
+    trains at and whether a verification head is trained (kept from the source when it has one, else fresh).
+
+    Args:
+        directory: the source draft (DFlash release layout, which is also vat's DFlash checkpoint).
+        target_hidden_size: the target's hidden size.
+        target_vocab_size: the target's vocabulary size.
+        num_target_layers: the target's decoder layers.
+        target_layer_ids: the layers the target captures (vat convention); must be the source's.
+        embed_weight: (V, H) the target's input embedding.
+        lm_head_weight: (V, H) the target's LM head.
+        verification_head: train a verification head.
+        block_size: the recipe's block size; None = the source's.
+        target_path: recorded as the draft's target; None = keep the source's.
+
+    Raises:
+        VatError: the source cannot be read, is not a DFlash draft, or does not fit the target.
+    """
+    from vat.drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_matches_target
+
+    where = f"init_from {directory}"
+    cfg = read_draft_config(directory)
+    if not isinstance(cfg, DFlashConfig):
+        raise VatError(f"{where} is an EAGLE-3 draft but drafter.kind is dflash")
+    try:
+        ids = check_dflash_matches_target(cfg, target_hidden_size, target_vocab_size, num_target_layers)
+    except VatError as err:
+        raise VatError(f"{where}: {err}") from None
+    if ids != list(target_layer_ids):
+        raise VatError(f"{where}: draft target layers {ids} ≠ the target's captured layers {list(target_layer_ids)} "
+                       "(leave target.aux_layer_ids unset to capture the draft's)")
+    source, cfg = load_draft(directory, dtype=torch.float32)
+    keep_head = verification_head and source.verification_head is not None
+    new_cfg = dataclasses.replace(
+        cfg, num_target_layers=num_target_layers, verification_head=verification_head,
+        block_size=block_size or cfg.block_size, target_path=target_path or cfg.target_path,
+    )
+    model = DFlashDrafter(new_cfg, embed_weight, lm_head_weight)  # a fresh head starts at the prior
     state = {k: v for k, v in source.state_dict().items() if keep_head or not k.startswith(VH_PREFIX)}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith(VH_PREFIX) for k in missing):
