@@ -90,15 +90,34 @@ class OnlineAffinity(nn.Module):
         """
         if bool(self.frozen):
             return
+        self.fold(*self.select(rows, topk_ids, valid))
+
+    def select(self, rows: Tensor, topk_ids: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The counted tokens of one batch, flat: ``(rows (n,), topk_ids (n, L', k))`` (arguments of :meth:`update`).
+
+        The trainer concatenates these over its micro-batches and processes (rank order) and folds them once per
+        optimizer step, so every rank holds the table one process would build from the whole global batch.
+        """
         L, B, T, k = topk_ids.shape
         if L != self.num_layers:
             raise VatError(f"affinity tracks {self.num_layers} MoE layers but the routing has {L}")
         dev = self.counts.device
-        rows = rows.to(dev).long()
-        topk_ids = topk_ids.to(dev).long()
         ok = torch.ones(B, T, dtype=torch.bool, device=dev) if valid is None else valid.to(dev).bool()  # (B, T)
-        ids = topk_ids.permute(1, 2, 0, 3)[ok]  # (n, L', k) experts of every counted token
-        r = rows[ok]  # (n,)
+        ids = topk_ids.to(dev).long().permute(1, 2, 0, 3)[ok]  # (n, L', k) experts of every counted token
+        return rows.to(dev).long()[ok], ids
+
+    @torch.no_grad()
+    def fold(self, r: Tensor, ids: Tensor) -> None:
+        """One EMA update from flat tokens (:meth:`select`): decay every count once, then add these tokens' counts.
+
+        Adding ones commutes, so the result does not depend on the order of the tokens (or of the ranks they came
+        from). No-op for a frozen table.
+        """
+        if bool(self.frozen):
+            return
+        dev = self.counts.device
+        r, ids = r.to(dev).long(), ids.to(dev).long()
+        L = self.num_layers
         sel = ids >= 0  # (n, L', k)
         layer = torch.arange(L, device=dev).view(1, L, 1).expand_as(ids)  # (n, L', k)
 

@@ -95,6 +95,18 @@ class BudgetConfig:
 
 
 @dataclass
+class LoraTrainConfig:
+    """``train.lora``: LoRA adapters (peft) on the draft's decoder layer; exports are merged (vat/lora.py)."""
+
+    r: int = 16  # adapter rank
+    alpha: float = 32.0  # peft lora_alpha: the update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapter input
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # the decoder layer's Linears
+    train_fc: bool = False  # also train fc (the aux-feature projection) in full; the verification head always is
+
+
+@dataclass
 class TrainConfig:
     max_steps: Optional[int] = None  # optimizer steps; null = epochs * steps per epoch
     epochs: int = 1
@@ -114,6 +126,8 @@ class TrainConfig:
     stop_after: Optional[int] = None  # stop (as if killed) after this step, without writing final/ (resume tests)
     init_from: Optional[str] = None  # start from this EAGLE-3 draft (vat / SGLang / speculators dir): its architecture
     # and draft vocab replace drafter.* and data.vocab; the recipe's losses, ttt_steps and verification head apply
+    lora: Optional[LoraTrainConfig] = None  # LoRA on the imported draft (needs init_from); null = full fine-tuning
+    fsdp: bool = False  # shard the draft with FSDP2 (accelerate's plugin, GPUs only) instead of DDP: for large drafts
 
 
 @dataclass
@@ -160,8 +174,18 @@ METHOD_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _expand_optional(node: Any) -> Any:
+    """An optional section left at ``null`` (e.g. ``train.lora``) as its schema, so its keys can be checked."""
+    import dataclasses
+
+    if isinstance(node, DictConfig) and node._is_none() and dataclasses.is_dataclass(node._metadata.ref_type):
+        return OmegaConf.structured(node._metadata.ref_type)
+    return node
+
+
 def _all_keys(node: Any, prefix: str = "") -> list[str]:
     keys = []
+    node = _expand_optional(node)
     if isinstance(node, DictConfig):
         for k in node.keys():
             full = f"{prefix}{k}"
@@ -189,7 +213,7 @@ def _check_keys(user: Any, schema: DictConfig, prefix: str = "") -> None:
             raise VatError(f"unknown config key `{full}`{_closest(full, valid)}")
         sub = schema
         for part in full.split("."):
-            sub = sub._get_node(part)
+            sub = _expand_optional(sub)._get_node(part)
         if isinstance(sub, DictConfig) and not full.startswith("budget.B"):
             child = user[k]
             if isinstance(child, (DictConfig, dict)):
@@ -276,6 +300,9 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[list[str]] = N
     if cfg.train.init_from and cfg.data.vocab:
         raise VatError(f"config keys `train.init_from` and `data.vocab` are both set: the imported draft "
                        f"{cfg.train.init_from} brings its own draft vocabulary; unset data.vocab")
+    if cfg.train.lora is not None and not cfg.train.init_from:
+        raise VatError("config key `train.lora` needs `train.init_from`: adapters on a freshly initialised draft "
+                       "would adapt random weights; set train.init_from=DRAFT_DIR or train.lora=null")
     apply_method_preset(cfg)
     return cfg  # type: ignore[return-value]
 
