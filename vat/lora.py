@@ -108,14 +108,11 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = 
 
 
 def merged_draft(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """A new adapter-free :class:`~vat.drafters.eagle3.Eagle3Drafter` (CPU) holding ``model``'s merged weights.
+    """A new adapter-free draft of ``model``'s class (CPU, no embedding attached) holding its merged weights.
 
-    The target embedding is shared, not copied; the live model is left untouched (training continues after a
-    checkpoint).
+    Also what the trainer writes from a gathered FSDP2 state (no adapters: the state as is). The live model is left
+    untouched (training continues after a checkpoint).
     """
-    from vat.drafters.eagle3 import Eagle3Drafter
-
-    embedding = model.embed_tokens()
-    merged = Eagle3Drafter(model.config, embed_weight=None if embedding is None else embedding.weight)
+    merged = type(model)(model.config)
     merged.load_state_dict({k: v.detach().cpu() for k, v in merged_state_dict(model, state).items()}, strict=True)
     return merged.eval()

@@ -62,6 +62,8 @@ class Trainer:
         self.nonfinite_streak = 0
         self.tracker = None
         self.vh_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (VH logits, survival) since the last log
+        self.pending_routing: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (rows, topk_ids), per batch
+        self.sharded = False
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -77,7 +79,8 @@ class Trainer:
         # cpu=True on a CPU-only machine: that is what makes a multi-process launch MULTI_CPU (gloo) instead of N
         # independent single-process runs
         self.accelerator = Accelerator(
-            mixed_precision=mixed, gradient_accumulation_steps=cfg.train.grad_accum, cpu=not torch.cuda.is_available()
+            mixed_precision=mixed, gradient_accumulation_steps=cfg.train.grad_accum, cpu=not torch.cuda.is_available(),
+            **self._parallel_kwargs(),
         )
         set_seed(cfg.seed)
         self.device = self.accelerator.device
@@ -90,12 +93,40 @@ class Trainer:
         )
         self._setup_data()
         self._setup_drafter()
+        self._setup_lora()
         self._setup_losses()
         self._setup_optimizer()
         self.budget_rng_seed = cfg.seed * 1_000_003 + 17
         if self.is_main:
             with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(cfg))
+
+    def _parallel_kwargs(self) -> dict[str, Any]:
+        """DDP by default (accelerate's own choice); ``train.fsdp``: FSDP2 through accelerate's plugin (GPUs only)."""
+        self.sharded = bool(self.cfg.train.fsdp)
+        if not self.sharded:
+            return {}
+        from vat.distributed import fsdp2_plugin
+
+        return {"fsdp_plugin": fsdp2_plugin(torch.cuda.is_available())}
+
+    def _setup_lora(self) -> None:
+        """``train.lora``: peft adapters on the draft's decoder layer; the VH (and fc with train_fc) train in full."""
+        self.lora_targets: list[str] = []
+        lora = self.cfg.train.lora
+        if lora is None:
+            return
+        from vat.lora import apply_lora
+
+        if self.cfg.drafter.kind != "eagle3":
+            raise VatError(f"train.lora supports EAGLE-3 drafts, not drafter.kind `{self.cfg.drafter.kind}`")
+        self.lora_targets = apply_lora(self.drafter, lora)
+        if self.is_main:
+            trainable = sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in self.drafter.parameters())
+            print(f"[vat] LoRA r={lora.r} alpha={lora.alpha} on {len(self.lora_targets)} layers: "
+                  f"{trainable:,} of {total:,} parameters train (adapters, verification head"
+                  f"{', fc' if lora.train_fc else ''})")
 
     def _aux_layer_ids(self) -> list[int] | None:
         """The target layers to capture: ``target.aux_layer_ids``, else an imported draft's, else EAGLE-3's default."""
@@ -314,7 +345,14 @@ class Trainer:
             scheduler = get_constant_schedule_with_warmup(self.optimizer, warmup)
         else:
             raise VatError(f"unknown train.scheduler `{cfg.train.scheduler}`: one of cosine, constant")
-        self.drafter, self.optimizer, self.scheduler = self.accelerator.prepare(self.drafter, self.optimizer, scheduler)
+        # the scheduler is NOT prepared: accelerate's AcceleratedScheduler steps it num_processes times per optimizer
+        # step (it assumes per-process batches grow the epoch), while total_steps counts optimizer steps; it is
+        # stepped once per optimizer step in _step_scheduler, so every world size runs the same schedule
+        self.drafter, self.optimizer = self.accelerator.prepare(self.drafter, self.optimizer)
+        self.scheduler = scheduler
+        # FSDP2 replaces the parameters by sharded ones (and remaps the optimizer): clip what the optimizer steps
+        self.body_params = list(self.optimizer.param_groups[0]["params"])
+        self.vh_params = list(self.optimizer.param_groups[1]["params"]) if self.vh_params else []
 
     # ---- one step ------------------------------------------------------------------------------------------------
     def _budget_for_step(self, step: int):
@@ -380,10 +418,29 @@ class Trainer:
             self.vh_pairs.append((vh_logits.detach()[mask].float(), verification.survival.detach()[mask].float()))
         rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
         dropped_as_negative = topk.masked_fill(topk >= self.target.num_experts, -1)
-        self.affinity.update(rows, dropped_as_negative, attention.bool())
+        self.pending_routing.append(self.affinity.select(rows, dropped_as_negative, attention.bool()))
         metrics.update(metrics_extra)
         metrics["tokens"] = attention.sum().float()
         return loss, metrics
+
+    def _step_scheduler(self) -> None:
+        """One scheduler step per optimizer step that ran (not per micro-batch, process or skipped fp16 step)."""
+        if self.accelerator.sync_gradients and not self.accelerator.optimizer_step_was_skipped:
+            self.scheduler.step()
+
+    def _fold_affinity(self) -> None:
+        """Fold the step's routing (every micro-batch of every rank, in rank order) into the online affinity table
+        once: each rank then holds the table one process builds from the same global batch (DESIGN §9)."""
+        from vat.distributed import gather_rows
+
+        pending, self.pending_routing = self.pending_routing, []
+        if bool(self.affinity.frozen) or not pending:
+            return
+        rows = torch.cat([r for r, _ in pending])  # (n,)
+        ids = torch.cat([i for _, i in pending])  # (n, L', k)
+        n, L, k = ids.shape
+        flat = gather_rows(torch.cat([rows.view(-1, 1), ids.reshape(n, L * k)], dim=1).to(torch.int32))
+        self.affinity.fold(flat[:, 0].long(), flat[:, 1:].long().view(-1, L, k))
 
     def _union_anchors(self, anchor_valid: torch.Tensor) -> torch.Tensor | None:
         """A seeded sample of valid anchors for the union term (all of them when they fit ``union_max_anchors``)."""
@@ -431,13 +488,14 @@ class Trainer:
                     if self.accelerator.sync_gradients:
                         metrics.update(self._clip_gradients())
                     self.optimizer.step()
-                    self.scheduler.step()
+                    self._step_scheduler()
                     self.optimizer.zero_grad(set_to_none=True)
                 self.nonfinite_streak = 0
                 losses.append(loss.detach().float())
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0) + value.detach().float()
             self.step += 1
+            self._fold_affinity()
             if not losses:
                 continue
             window_tokens += float(sums.get("tokens", 0.0))
@@ -471,7 +529,8 @@ class Trainer:
         norms = {"grad_norm": clip(self.body_params, self.cfg.train.grad_clip)}
         if self.vh_params:
             norms["vh_grad_norm"] = clip(self.vh_params, self.cfg.train.vh_grad_clip)
-        return {k: torch.as_tensor(float(v)) for k, v in norms.items()}
+        # under FSDP2 the norm is a DTensor (already reduced over the shards)
+        return {k: torch.as_tensor(float(v.full_tensor() if hasattr(v, "full_tensor") else v)) for k, v in norms.items()}
 
     def _nonfinite(self, indices: list[int]) -> None:
         self.nonfinite_total += 1
@@ -540,37 +599,64 @@ class Trainer:
         )
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
-    def _write_draft(self, directory: str) -> None:
+    def _full_state(self) -> tuple[dict, dict]:
+        """(model, optimizer) state to save; a collective under FSDP2 (call on every rank; rank 0 gets the tensors)."""
+        from vat.distributed import full_state_dicts
+
+        model = self.accelerator.unwrap_model(self.drafter) if not self.sharded else self.drafter
+        return full_state_dicts(model, self.optimizer, self.sharded)
+
+    def _write_draft(self, directory: str, model_state: dict | None = None) -> None:
+        """The draft in its release layout: adapters merged (``train.lora``), FSDP2 shards gathered (``model_state``)."""
         from safetensors.torch import save_file
 
         from vat.export.checkpoint import save_draft
 
-        save_draft(self.accelerator.unwrap_model(self.drafter), self.draft_config, directory)
+        model = self.accelerator.unwrap_model(self.drafter)
+        if self.lora_targets or self.sharded:
+            from vat.lora import merged_draft
+
+            model = merged_draft(model, model_state)
+        save_draft(model, self.draft_config, directory)
         table = self.affinity.table().detach().float().cpu().contiguous()
         save_file({"affinity": table}, os.path.join(directory, "affinity.safetensors"))
         with open(os.path.join(directory, "config.yaml"), "w") as f:
             f.write(to_yaml(self.cfg))
 
     def save_checkpoint(self) -> str | None:
+        """Rank 0 writes ``checkpoints/step_N`` (every rank takes part: RNG states, FSDP2 gathers)."""
+        from vat.distributed import gather_rng_states
+
         self.accelerator.wait_for_everyone()
+        rng = gather_rng_states(rng_state())  # one per rank
+        model_state, optim_state = self._full_state()
         if not self.is_main:
+            self.accelerator.wait_for_everyone()
             return None
 
         def fill(tmp: str) -> None:
-            self._write_draft(tmp)
+            self._write_draft(tmp, model_state)
             state = {
                 "step": self.step,
+                # per-rank batch index with the world size it counts in: resume converts it for any world size
                 "position": (self.position.epoch, self.position.batch_index),
-                "optimizer": self.optimizer.state_dict(),
+                "world_size": self.accelerator.num_processes,
+                "optimizer": optim_state,
                 "scheduler": self.scheduler.state_dict(),
-                "drafter": self.accelerator.unwrap_model(self.drafter).state_dict(),
-                "affinity": self.affinity.state_dict(),
-                "rng": rng_state(),
+                "drafter": model_state,  # adapters unmerged (train.lora): resume continues them
+                "sharded": self.sharded,
+                "lora_targets": list(self.lora_targets),
+                "affinity": self.affinity.state_dict(),  # the same on every rank (folded from the global batch)
+                "rng": rng,
                 "nonfinite_total": self.nonfinite_total,
             }
             torch.save(state, os.path.join(tmp, STATE_FILE))
 
-        return write_checkpoint(self.cfg.output_dir, self.step, fill, self.cfg.train.keep_last)
+        try:
+            return write_checkpoint(self.cfg.output_dir, self.step, fill, self.cfg.train.keep_last)
+        finally:
+            self.accelerator.wait_for_everyone()  # no rank reads or prunes a half-written checkpoint
+
 
     def load_state(self, directory: str) -> None:
         from vat.drafters.eagle3 import Eagle3Config, check_draft_matches_target
@@ -588,20 +674,36 @@ class Trainer:
             check_draft_matches_target(
                 Eagle3Config(**fields), self.target.hidden_size, self.target.vocab_size, self.target.num_layers
             )
+        from vat.distributed import load_full_state_dicts, pick_rng_state, world_size_position
+
         state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
-        self.accelerator.unwrap_model(self.drafter).load_state_dict(state["drafter"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved_lora, saved_sharded = state.get("lora_targets", []), bool(state.get("sharded", False))
+        if list(saved_lora) != list(self.lora_targets):
+            raise VatError(f"{directory} was trained with LoRA on {saved_lora or 'no layer'} but this run adapts "
+                           f"{self.lora_targets or 'no layer'}: resume with the same train.lora")
+        if saved_sharded != self.sharded:
+            raise VatError(f"{directory} was saved with train.fsdp={str(saved_sharded).lower()}: resume with the same")
+        model = self.accelerator.unwrap_model(self.drafter) if not self.sharded else self.drafter
+        load_full_state_dicts(model, self.optimizer, state["drafter"], state["optimizer"], self.sharded)
         self.scheduler.load_state_dict(state["scheduler"])
         self.affinity.load_state_dict(state["affinity"])
         self.step = int(state["step"])
-        self.position = DataPosition(*state["position"])
+        epoch, batch_index = state["position"]
+        saved_world, world = int(state.get("world_size", 1)), self.accelerator.num_processes
+        batch_index, skipped = world_size_position(batch_index, saved_world, world)
+        self.position = DataPosition(epoch, batch_index)
         self.nonfinite_total = int(state["nonfinite_total"])
-        set_rng_state(state["rng"])
+        set_rng_state(pick_rng_state(state["rng"], self.accelerator.process_index))
         if self.is_main:
-            print(f"[vat] resumed from {directory} at step {self.step}")
+            moved = f" (saved with {saved_world} processes, now {world})" if saved_world != world else ""
+            print(f"[vat] resumed from {directory} at step {self.step}{moved}")
+            if skipped:
+                print(f"[vat] warning: {skipped} batch(es) of epoch {epoch} skipped: {batch_index * world - skipped} "
+                      f"global batches done do not divide by {world} processes")
 
     def save_final(self, last: dict[str, Any]) -> None:
         self.accelerator.wait_for_everyone()
+        model_state = self._full_state()[0] if self.sharded else None  # a collective under FSDP2
         if not self.is_main:
             return
         final = os.path.join(self.cfg.output_dir, "final")
@@ -610,7 +712,7 @@ class Trainer:
 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        self._write_draft(tmp)
+        self._write_draft(tmp, model_state)
         with open(os.path.join(tmp, "train_summary.json"), "w") as f:
             json.dump({"steps": self.step, "last": last, "data": self.data_path, "vocab": self.vocab_path,
                        "dropped_over_length": self.dropped_over_length}, f, indent=2)
