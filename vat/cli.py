@@ -145,14 +145,15 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=None, help="target path, or `tiny` (default: the one the draft was trained for; "
                    "required when no trained draft is given)")
     p.add_argument("--draft", action="append", default=None, help="draft dir (vat final/, SGLang or speculators "
-                   "export), `ngram` (prompt lookup) or `none`; repeatable")
+                   "export, DFlash draft), `ngram` (prompt lookup) or `none`; repeatable")
     p.add_argument("--benchmark", action="append", default=None, help=BENCHMARK_HELP + "; repeatable")
-    p.add_argument("--steps", type=int, default=7, help="chain length K")
+    p.add_argument("--steps", type=int, default=7, help="chain length K (a DFlash draft drafts block_size - 1 per round)")
     p.add_argument("--tree", default=None, help="dynamic tree as top_k,depth,total_tokens (e.g. 8,6,48)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--budget", default="none", help="comma list of budgets, `none` = natural routing: none,8,4")
     p.add_argument("--policy", default="substitute", choices=["substitute", "truncate"])
-    p.add_argument("--vh-threshold", type=float, default=None, help="stop drafting when the verification head predicts rejection")
+    p.add_argument("--vh-threshold", type=float, default=None, help="stop drafting (truncate a DFlash block) when the "
+                   "verification head predicts rejection")
     p.add_argument("--ngram-n", type=int, default=3, help="ngram draft: longest suffix matched, as vLLM's prompt_lookup_max (default 3)")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram draft: shortest suffix matched, as vLLM's prompt_lookup_min (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -183,8 +184,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="write a trained draft for SGLang or vLLM (speculators)",
-        description="Converts a vat checkpoint to an engine's layout; the aux-layer convention is written explicitly.",
+        help="write a trained draft for SGLang or vLLM (speculators; DFlash drafts in the DFlash release layout)",
+        description="Converts a vat checkpoint to an engine's layout; the aux-layer convention is written explicitly. "
+        "EAGLE-3 drafts: --format sglang or speculators; DFlash drafts: --format dflash.",
     )
     p.add_argument("checkpoint", help="vat checkpoint directory (output_dir/final or checkpoints/step_N)")
     p.add_argument("--format", required=True, choices=["sglang", "speculators", "dflash"])

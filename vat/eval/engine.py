@@ -1,16 +1,19 @@
 """The speculative-decoding loop on the HF target: prefill, then rounds of draft -> verify -> accept.
 
-One :class:`SpeculativeEngine` decodes one sequence at a time (batch size 1) in one of four modes:
+One :class:`SpeculativeEngine` decodes one sequence at a time (batch size 1) in one of five modes:
 
 * ``ar``: no draft; each round is one target forward of the newest token (the autoregressive baseline);
 * ``chain``: EAGLE-3 top-1 chain of K drafts per round (:mod:`vat.eval.chain`);
 * ``ngram``: a chain of up to K prompt-lookup drafts per round (:mod:`vat.eval.ngram`), verified by the same chain
   round as EAGLE-3 (same block layout, budget, union and acceptance rules; zero drafts = a one-token round);
-* ``tree``: EAGLE dynamic tree per round (:mod:`vat.eval.tree`).
+* ``tree``: EAGLE dynamic tree per round (:mod:`vat.eval.tree`);
+* ``block``: a DFlash block of ``block_size - 1`` drafts per round (:mod:`vat.eval.block`), verified by the chain
+  round (same layout, budget, union and acceptance rules).
 
 State between rounds: the target's ``DynamicCache`` holds every committed token except the newest (the *root*, fed
 first in the next verification block); the draft's cache holds one entry per committed position
-(:mod:`vat.eval.draft_state`), extended with the target's aux features of the accepted positions. The prefill is
+(:mod:`vat.eval.draft_state`, or the DFlash context of :mod:`vat.eval.block`), extended with the target's aux
+features of the accepted positions. The prefill is
 unbudgeted; each verification forward gets ``BudgetSpec(B, policy)`` with ``window=None``: the block is the window.
 The routing each verification forward executes is captured and reduced to the union of experts per MoE layer.
 """
@@ -23,8 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vat.drafters.dflash import DFlashDrafter
 from vat.drafters.eagle3 import Eagle3Drafter
 from vat.errors import VatError
+from vat.eval.block import BlockState, draft_block
 from vat.eval.chain import ChainDraft, draft_chain, judge_chain
 from vat.eval.draft_state import DraftHead, DraftState
 from vat.eval.ngram import NgramSpec, PromptLookup, point_mass_q
@@ -93,14 +98,16 @@ class SpeculativeEngine:
 
     Args:
         target: the target; its ``aux_layer_ids`` must be the draft's.
-        drafter: an EAGLE-3 draft with its embedding attached, an :class:`NgramSpec` for training-free prompt lookup,
-            or None for the autoregressive baseline.
-        steps: chain length K (EAGLE-3 chain or n-gram drafts per round).
+        drafter: an EAGLE-3 draft with its embedding attached, a DFlash draft with the target's embedding and LM head
+            attached (block drafting), an :class:`NgramSpec` for training-free prompt lookup, or None for the
+            autoregressive baseline.
+        steps: chain length K (EAGLE-3 chain or n-gram drafts per round; a DFlash block drafts its block_size - 1).
         tree: a :class:`TreeSpec` for dynamic-tree drafting with an EAGLE-3 draft (None = chain).
         temperature: 0 = greedy (lossless), > 0 = rejection sampling at this temperature.
         budget: expert budget B of the verification forwards (int, per-layer list or mapping; None = natural).
         policy: ``substitute`` or ``truncate``.
-        vh_threshold: stop drafting where the verification head's acceptance probability falls below this.
+        vh_threshold: stop drafting where the verification head's acceptance probability falls below this (a DFlash
+            block is truncated before that slot).
         max_new_tokens: generated tokens per sequence (the prefill's token included).
         eos_token_ids: tokens that end a sequence.
     """
@@ -108,7 +115,7 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: FrozenTarget,
-        drafter: Eagle3Drafter | NgramSpec | None = None,
+        drafter: Eagle3Drafter | DFlashDrafter | NgramSpec | None = None,
         *,
         steps: int = 7,
         tree: TreeSpec | None = None,
@@ -121,6 +128,8 @@ class SpeculativeEngine:
     ):
         if isinstance(drafter, NgramSpec) and tree is not None:
             raise VatError("n-gram drafts are chains of --steps tokens: drop --tree for them")
+        if isinstance(drafter, DFlashDrafter) and tree is not None:
+            raise VatError("a DFlash draft drafts one block per round: drop --tree for it")
         self.target = target
         self.drafter = drafter
         self.steps = steps
@@ -134,11 +143,13 @@ class SpeculativeEngine:
 
     @property
     def mode(self) -> str:
-        """``ar``, ``chain``, ``ngram`` or ``tree``."""
+        """``ar``, ``chain``, ``ngram``, ``tree`` or ``block``."""
         if self.drafter is None:
             return "ar"
         if isinstance(self.drafter, NgramSpec):
             return "ngram"
+        if isinstance(self.drafter, DFlashDrafter):
+            return "block"
         return "tree" if self.tree is not None else "chain"
 
     # ---- the loop ------------------------------------------------------------------------------------------------
@@ -159,10 +170,16 @@ class SpeculativeEngine:
         start = time.perf_counter()
         cache = new_cache()
         eagle = self.mode in ("chain", "tree")
-        out = self.target.forward(prompt, past_key_values=cache, use_cache=True, capture_routing=False, output_aux=eagle)
+        features = eagle or self.mode == "block"  # the draft reads the target's features
+        out = self.target.forward(prompt, past_key_values=cache, use_cache=True, capture_routing=False,
+                                  output_aux=features)
         root = choose_token(out.logits[0, -1], self.temperature, generator)
         tokens = [root]
-        state = DraftState(self.drafter, self.temperature) if eagle else None
+        state = None
+        if eagle:
+            state = DraftState(self.drafter, self.temperature)
+        elif self.mode == "block":
+            state = BlockState(self.drafter, self.temperature)
         # the lookup's context is prompt + output; built here, inside the timed decode, as a server would
         lookup = PromptLookup(self.drafter, [*prompt_ids, root]) if self.mode == "ngram" else None
         pending = None
@@ -200,11 +217,14 @@ class SpeculativeEngine:
         return kept
 
     def _round(
-        self, cache, state: DraftState | None, head: DraftHead | None, lookup: PromptLookup | None, root: int,
-        generator,
+        self, cache, state: DraftState | BlockState | None, head: DraftHead | None, lookup: PromptLookup | None,
+        root: int, generator,
     ) -> _Outcome:
         if self.mode == "ar":
             return self._ar_round(cache, root, generator)
+        if self.mode == "block":
+            draft = draft_block(state, root, vh_threshold=self.vh_threshold, generator=generator)
+            return self._chain_round(cache, draft, root, generator)
         if self.mode == "chain":
             draft = draft_chain(state, head, self.steps, vh_threshold=self.vh_threshold, generator=generator)
             return self._chain_round(cache, draft, root, generator)
@@ -229,9 +249,10 @@ class SpeculativeEngine:
         return _Outcome(stats=stats, tokens=[token], aux=None)
 
     def _chain_round(self, cache, draft: ChainDraft, root: int, generator) -> _Outcome:
-        """Verify a chain of drafts (EAGLE-3 or n-gram; K' = 0 is a one-token round) and accept a prefix of it."""
+        """Verify a chain of drafts (EAGLE-3, DFlash block or n-gram; K' = 0 is a one-token round) and accept a prefix
+        of it."""
         n = cache_length(cache)
-        eagle = self.mode == "chain"
+        eagle = self.mode in ("chain", "block")  # the draft needs the accepted positions' features
         block = torch.cat([draft.tokens.new_tensor([root]), draft.tokens])[None]  # (1, K' + 1)
         out = self.target.forward(block, past_key_values=cache, use_cache=True, budget=self.budget, output_aux=eagle)
         if self.temperature > 0 and draft.q is None:

@@ -34,8 +34,8 @@ EVAL_FORMAT_VERSION = 1
 
 @dataclass
 class DraftEntry:
-    """One draft to evaluate: its label, where it came from, the loaded model (an ``Eagle3Drafter``, an
-    :class:`NgramSpec`, or None = AR) and its aux layers."""
+    """One draft to evaluate: its label, where it came from, the loaded model (an ``Eagle3Drafter``, a
+    ``DFlashDrafter``, an :class:`NgramSpec`, or None = AR) and its aux layers."""
 
     label: str
     path: str | None
@@ -46,6 +46,12 @@ class DraftEntry:
     @property
     def is_ngram(self) -> bool:
         return isinstance(self.model, NgramSpec)
+
+    @property
+    def is_block(self) -> bool:
+        from vat.drafters.dflash import DFlashDrafter
+
+        return isinstance(self.model, DFlashDrafter)
 
 
 @dataclass
@@ -99,6 +105,7 @@ def _draft_label(path: str, taken: set[str]) -> str:
 
 
 def _load_drafts(drafts: list[Any], ngram: NgramSpec) -> list[DraftEntry]:
+    from vat.drafters.dflash import DFlashDrafter
     from vat.drafters.eagle3 import Eagle3Drafter
     from vat.export.checkpoint import load_draft
 
@@ -113,7 +120,7 @@ def _load_drafts(drafts: list[Any], ngram: NgramSpec) -> list[DraftEntry]:
             model = spec if isinstance(spec, NgramSpec) else ngram
             entries.append(DraftEntry(label=_draft_label(label or NGRAM_LABEL, taken), path=None, model=model))
             continue
-        if isinstance(spec, Eagle3Drafter):
+        if isinstance(spec, (Eagle3Drafter, DFlashDrafter)):
             entries.append(DraftEntry(label=_draft_label(label or f"draft{i}", taken), path=None, model=spec))
             continue
         path = str(spec)
@@ -124,7 +131,7 @@ def _load_drafts(drafts: list[Any], ngram: NgramSpec) -> list[DraftEntry]:
 
 def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str | None, ngram: bool = False,
                  experts_impl: str | None = None, device_map: str | None = None):
-    """The target: given, or the one the first trained draft records. ``drafts``: the EAGLE-3 entries only.
+    """The target: given, or the one the first trained draft records. ``drafts``: the trained entries only.
 
     Loaded with the trainer's loader (:func:`vat.target.load_target`); ``experts_impl`` None = ``grouped_mm`` for a
     path, the target's own for a loaded :class:`FrozenTarget` (switched when another is asked for).
@@ -151,7 +158,9 @@ def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str 
 
 
 def _attach(drafts: list[DraftEntry], target, vh_threshold: float | None) -> None:
-    """Check each EAGLE-3 draft against the target, give it the target's embedding, device and dtype."""
+    """Check each trained draft against the target, give it the target's embedding (and a DFlash draft its LM head),
+    device and dtype."""
+    from vat.drafters.dflash import check_dflash_matches_target
     from vat.drafters.eagle3 import check_draft_matches_target
 
     with_vh = [d for d in drafts if d.model.verification_head is not None]
@@ -162,8 +171,11 @@ def _attach(drafts: list[DraftEntry], target, vh_threshold: float | None) -> Non
         raise VatError("--vh-threshold needs a draft with a verification head; none of the drafts has one")
     for d in drafts:
         cfg = d.model.config
-        d.aux_layer_ids = check_draft_matches_target(cfg, target.hidden_size, target.vocab_size, target.num_layers)
+        check = check_dflash_matches_target if d.is_block else check_draft_matches_target
+        d.aux_layer_ids = check(cfg, target.hidden_size, target.vocab_size, target.num_layers)
         d.model.set_embedding(target.embed_tokens().weight)
+        if d.is_block:
+            d.model.set_lm_head(target.lm_head().weight)
         d.model.to(device=target.device, dtype=target.dtype).eval()
         if vh_threshold is not None and d.model.verification_head is None:
             warnings.warn(f"draft {d.label} has no verification head: --vh-threshold ignored for it", stacklevel=2)
@@ -225,7 +237,7 @@ def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_
     drafter = config.draft.model
     if config.draft.aux_layer_ids is not None:
         target.aux_layer_ids = list(config.draft.aux_layer_ids)  # the features this draft reads
-    eagle = drafter is not None and not config.draft.is_ngram
+    eagle = drafter is not None and not config.draft.is_ngram and not config.draft.is_block
     return SpeculativeEngine(
         target, drafter, steps=steps, tree=tree if eagle else None, temperature=temperature,
         budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, max_new_tokens=max_new_tokens,
@@ -291,12 +303,13 @@ def run_eval(
     Args:
         target: target path (``tiny`` for the embedded one), a loaded ``FrozenTarget`` or model; None = the path the
             first draft records (``target_path``).
-        drafts: draft directories (vat ``final/``, SGLang or speculators exports), ``Eagle3Drafter`` objects,
+        drafts: draft directories (vat ``final/``, SGLang or speculators EAGLE-3 exports, DFlash drafts in the DFlash
+            release layout), ``Eagle3Drafter`` / ``DFlashDrafter`` objects,
             ``ngram`` (training-free prompt lookup, label ``ngram``; an :class:`NgramSpec` works too) or ``none``
             (the AR baseline always runs); a ``(label, draft)`` pair names the draft in every output (default: its
             directory).
         benchmarks: names or files for :func:`vat.eval.benchmarks.load_benchmark`.
-        steps: chain length K.
+        steps: chain length K (a DFlash draft drafts its own ``block_size - 1`` per round).
         tree: ``"top_k,depth,total_tokens"`` or a :class:`TreeSpec` for dynamic trees (None = chain).
         temperature: 0 = greedy, > 0 = rejection sampling.
         budgets: ``"none,8,4"`` or a list (None = natural routing); each is a separate pass per draft.
@@ -353,7 +366,7 @@ def run_eval(
     configs = [RunConfig(DraftEntry(AR_LABEL, None), None)] if autoregressive or asked_ar or not entries else []
     configs += [RunConfig(d, b) for d in entries for b in budget_list]
     # the longest verification block decides which prompts fit (n-gram drafts are chains of `steps`)
-    block = 1 + max([steps if tree_spec is None or d.is_ngram else tree_spec.total_tokens for d in entries] or [0])
+    block = 1 + max([_drafted_per_round(d, steps, tree_spec) for d in entries] or [0])
     max_positions = getattr(target_obj.config, "max_position_embeddings", None)
     bytes_per_layer = target_obj.expert_bytes_per_layer()
     E = target_obj.num_experts
@@ -444,11 +457,21 @@ def run_eval(
     return result
 
 
+def _drafted_per_round(d: DraftEntry, steps: int, tree_spec: TreeSpec | None) -> int:
+    """The most drafts one verification block of this draft holds."""
+    if d.is_block:
+        return d.model.config.block_size - 1
+    return steps if tree_spec is None or d.is_ngram else tree_spec.total_tokens
+
+
 def _draft_record(d: DraftEntry, tree_spec: TreeSpec | None) -> dict:
     """The eval.json ``drafts`` entry of one draft."""
     if d.is_ngram:
         return {"path": None, "mode": "ngram", "n_max": d.model.n_max, "n_min": d.model.n_min,
                 "verification_head": False, "vh_threshold": None}
+    if d.is_block:
+        return {"path": d.path, "mode": "block", "block_size": d.model.config.block_size,
+                "verification_head": d.model.verification_head is not None, "vh_threshold": d.vh_threshold}
     return {"path": d.path, "mode": "tree" if tree_spec is not None else "chain",
             "verification_head": d.model.verification_head is not None, "vh_threshold": d.vh_threshold}
 
