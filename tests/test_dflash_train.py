@@ -147,3 +147,16 @@ def test_dflash_vat_trains_under_a_budget_and_resumes_to_the_same_numbers(tmp_pa
 def test_dflash_baseline_loss_falls(tmp_path):
     lines = _train(str(tmp_path / "dflash"), "dflash.yaml", "train.max_steps=6", "train.save_every=0")
     assert lines[-1]["loss"] < lines[0]["loss"] and "vh_bce" not in lines[-1]
+
+
+@pytest.mark.parametrize("recipe", ["tiny/dflash.yaml", "tiny/dflash_vat.yaml", "qwen3_30b_a3b/dflash_vat.yaml"])
+def test_dflash_recipes_load_with_their_method_presets(recipe):
+    cfg = load_config(os.path.join(REPO, "recipes", recipe))
+    assert cfg.drafter.kind == "dflash" and cfg.method in ("dflash", "dflash_vat")
+    sw = LossSwitches.from_config(cfg.loss, kind=cfg.drafter.kind, block_size=cfg.drafter.block_size)
+    assert sw.dflash_gamma == pytest.approx(7.0 * cfg.drafter.block_size / 16)
+    vat = cfg.method == "dflash_vat"
+    assert (sw.adaptive_weights, sw.vh_weight > 0, cfg.drafter.verification_head) == (vat, vat, vat)
+    assert sw.imitation_norm == ("anchors" if vat else "weight_sum") and sw.soft_weight == (1.0 if vat else 0.0)
+    with open(os.path.join(REPO, "recipes", recipe)) as f:
+        assert "vat train recipes/" + recipe in f.read()  # the launch command in the header
