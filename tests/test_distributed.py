@@ -1,0 +1,219 @@
+"""Multi-process training is the same training at any world size (DESIGN §9), with real gloo processes on CPU.
+
+vat's objective is a mean over each micro-batch's anchors, and one optimizer step averages its micro-batches: DDP
+averages the ranks' gradients, accumulation divides each micro-batch's loss by ``grad_accum``. So the global batch of a
+2-process step (rank 0's and rank 1's batch: BucketedBatches gives rank r the epoch's batches r, r+2, ...) is exactly
+one process with ``grad_accum=2`` over the same two batches in rank order — NOT one process with the two batches
+concatenated (that would weight each anchor by 1/(all anchors) instead of 1/(its micro-batch's anchors)). The tests
+compare against that run: loss, metrics, the gradient the optimizer steps, the LR schedule, the online affinity table,
+and resumption of a 2-process checkpoint with 1 and with 2 processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_trainer import _metrics, _overrides, spec_bench_file_module, workspace  # noqa: F401  (module fixtures)
+
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_probe.py")
+# a schedule that moves every step (warmup 2, cosine 2), the union term in the gradient, checkpoints at step 2
+COMMON = ("method=vat", "loss.union_weight=0.1", "drafter.ttt_steps=3", "train.max_steps=4", "train.save_every=2",
+          "train.warmup_ratio=0.5", "train.keep_last=0")
+COMPARED = ("loss", "tau_sim", "acc_0", "cond_acc_2", "vh_bce", "vh_auc", "union_sim", "grad_norm", "vh_grad_norm",
+            "tokens")
+
+
+def _torchrun(nproc: int, grads: str, overrides: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), PROBE,
+           grads, *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(workspace, tmp_path_factory):  # noqa: F811
+    """Four runs of the same 4 steps: 2 processes killed after step 2 then resumed with 2 (``two``), 1 process with
+    grad_accum=2 uninterrupted (``one``), and the 2-process checkpoint resumed with 1 process (``two_then_one``)."""
+    from dist_probe import run
+
+    root = tmp_path_factory.mktemp("dist")
+    paths = {name: str(root / name) for name in ("two", "one", "two_then_one")}
+
+    def ovr(name, *extra):
+        return [*_overrides(workspace, paths[name]), *COMMON, *extra]
+
+    _torchrun(2, str(root / "g_two"), ovr("two", "train.stop_after=2"))
+    shutil.copytree(paths["two"], paths["two_then_one"])
+    _torchrun(2, str(root / "g_two"), ovr("two", "resume=auto"))
+    run(str(root / "g_one"), ovr("one", "train.grad_accum=2"))
+    run(str(root / "g_two_then_one"), ovr("two_then_one", "train.grad_accum=2", "resume=auto"))
+    return {"root": root, **paths}
+
+
+def _same(a: dict, b: dict, key: str) -> None:
+    """One logged metric equal within fp32 tolerance (an undefined ratio is null in both)."""
+    if b[key] is None:
+        assert a[key] is None, (a["step"], key)
+    else:
+        assert a[key] == pytest.approx(b[key], rel=2e-5, abs=1e-6), (a["step"], key)
+
+
+def _grads(runs, name, step):
+    return torch.load(os.path.join(runs["root"], f"g_{name}", f"step{step}.pt"))
+
+
+def _final(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "final", "model.safetensors"))
+
+
+def _affinity(path, where):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, where, "affinity.safetensors"))["affinity"]
+
+
+def test_two_process_lr_schedule_equals_one_process(runs):
+    """accelerate's prepared scheduler stepped num_processes times per optimizer step: warmup and cosine ended
+    halfway with 2 processes. Stepped once per optimizer step, the schedule is the world-size-free one."""
+    two, one = _metrics(runs["two"]), _metrics(runs["one"])
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
+    assert [r["lr"] for r in two] == pytest.approx([r["lr"] for r in one], rel=1e-12)
+    lr = [r["lr"] for r in one]
+    assert lr[0] == pytest.approx(0.5e-3) and lr[1] == pytest.approx(1e-3) and lr[3] < lr[2] < lr[1]
+
+
+def test_two_process_loss_and_gradient_equal_one_process_on_the_same_global_batch(runs):
+    two, one = _metrics(runs["two"]), _metrics(runs["one"])
+    for a, b in zip(two, one):
+        for key in COMPARED:
+            _same(a, b, key)
+    for step in (1, 2, 3, 4):  # the gradient the optimizer steps (after DDP's all-reduce / after accumulation)
+        g2, g1 = _grads(runs, "two", step), _grads(runs, "one", step)
+        assert set(g2) == set(g1) and len(g1) > 5
+        for name in g1:
+            torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=f"step {step} {name}")
+    for name, value in _final(runs["one"]).items():
+        torch.testing.assert_close(_final(runs["two"])[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_two_process_checkpoint_resumes_in_one_and_in_two_processes(runs):
+    """Saved with 2 processes after step 2: resumed with 2 (above) and with 1 (grad_accum=2, the same global batch),
+    both continue to the uninterrupted run's numbers: data position, optimizer, scheduler, affinity and RNG."""
+    state = torch.load(os.path.join(runs["two_then_one"], "checkpoints", "step_2", "trainer_state.pt"),
+                       weights_only=False)
+    assert state["world_size"] == 2 and len(state["rng"]) == 2
+    one, resumed = _metrics(runs["one"]), _metrics(runs["two_then_one"])
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(resumed[2:], one[2:]):
+        for key in (*COMPARED, "lr", "epoch"):
+            _same(a, b, key)
+    for step in (3, 4):
+        g, ref = _grads(runs, "two_then_one", step), _grads(runs, "one", step)
+        for name in ref:
+            torch.testing.assert_close(g[name], ref[name], rtol=1e-4, atol=1e-6, msg=f"step {step} {name}")
+    for name, value in _final(runs["one"]).items():
+        torch.testing.assert_close(_final(runs["two_then_one"])[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_reduced_affinity_table_equals_one_process_on_the_same_batches(runs):
+    """Every rank folds the whole global batch's routing once per step: the saved table (rank 0's) is the table one
+    process builds from the same batches — bit for bit, since only integer counts are added."""
+    for where in ("checkpoints/step_2", "final"):
+        one = _affinity(runs["one"], where)
+        assert torch.equal(_affinity(runs["two"], where), one), where
+        assert torch.equal(_affinity(runs["two_then_one"], where), one), where
+
+
+def _fold_worker(rank: int, world: int, init: str, batches: list, out: str) -> None:
+    import torch.distributed as dist
+
+    from vat.affinity import OnlineAffinity
+    from vat.distributed import gather_rows
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        aff = OnlineAffinity(11, 3, 8, 2, ema=0.9)
+        for step in batches:
+            rows, ids = aff.select(*step[rank])
+            aff.fold(gather_rows(rows), gather_rows(ids))
+        torch.save(aff.state_dict(), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gathered_affinity_fold_equals_one_process_fold_with_real_gloo(tmp_path):
+    """Unit level: 2 gloo processes, each with its own batches of different lengths, fold gathered routing; both
+    ranks end with the table one process folds from the concatenated batches."""
+    import torch.multiprocessing as mp
+
+    from vat.affinity import OnlineAffinity
+
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(T):
+        rows = torch.randint(-1, 11, (2, T), generator=gen)
+        ids = torch.randint(-1, 8, (3, 2, T, 2), generator=gen)
+        return rows, ids, torch.rand(2, T, generator=gen) > 0.2
+
+    steps = [[batch(5), batch(9)], [batch(7), batch(3)], [batch(4), batch(4)]]
+    mp.spawn(_fold_worker, args=(2, f"file://{tmp_path}/rdv", steps, str(tmp_path / "aff")), nprocs=2, join=True)
+    one = OnlineAffinity(11, 3, 8, 2, ema=0.9)
+    for step in steps:
+        parts = [one.select(*b) for b in step]
+        one.fold(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    for rank in (0, 1):
+        state = torch.load(tmp_path / f"aff.{rank}")
+        for key, value in one.state_dict().items():
+            assert torch.equal(state[key], value), (rank, key)
+    assert float(one.token_counts.sum()) > 0
+
+
+def test_resume_position_counts_global_batches():
+    from vat.distributed import world_size_position
+
+    assert world_size_position(3, 2, 1) == (6, 0)  # 2 -> 1 process: 6 global batches done
+    assert world_size_position(6, 1, 2) == (3, 0)
+    assert world_size_position(3, 2, 4) == (2, 2)  # 6 done, 4 processes: round up, skip 2, never repeat
+
+
+@pytest.mark.gpu
+def test_fsdp2_training_through_accelerate_on_gpu(workspace, tmp_path):  # noqa: F811
+    """`train.fsdp=true`: FSDP2 through accelerate's plugin. Accelerate shards only on accelerators (CPU processes
+    run MULTI_CPU/DDP), so this runs where there is a GPU; on CPU the key is refused in one line."""
+    from dist_probe import run
+
+    out = str(tmp_path / "fsdp")
+    n = torch.cuda.device_count()
+    overrides = [*_overrides(workspace, out), *COMMON, "train.fsdp=true", "train.mixed_precision=no"]
+    if n >= 2:
+        _torchrun(2, str(tmp_path / "g"), overrides)
+    else:
+        env_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", PROBE,
+                   str(tmp_path / "g"), *overrides]
+        done = subprocess.run(env_cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+    state = torch.load(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"), weights_only=False)
+    assert state["sharded"] and "fc.weight" in state["drafter"]  # full tensors, any world size
+    assert json.load(open(os.path.join(out, "final", "config.json")))["vat_format"] == "eagle3"
+    del run
+
+
+def test_fsdp_is_refused_on_cpu_in_one_line(workspace, tmp_path):  # noqa: F811
+    if torch.cuda.is_available():
+        pytest.skip("GPU machine: FSDP2 is available")
+    from vat.config import load_config
+    from vat.errors import VatError
+    from vat.trainer import main as train_main
+
+    with pytest.raises(VatError, match=r"^train.fsdp needs GPUs"):
+        train_main(load_config(None, [*_overrides(workspace, str(tmp_path / "x")), "train.fsdp=true"]))
