@@ -253,3 +253,38 @@ def test_vat_eval_decodes_with_a_dflash_draft(quick_dflash, tmp_path, spec_bench
         if draft == "run/final":
             assert ids == rows[(qid, "none")]
     assert math.isfinite(ev["pooled"]["run/final"]["none"]["tau"])
+
+
+def test_block_decoding_on_the_quick_tiny_target_is_its_greedy_decode(tmp_path):
+    """A DFlash draft trained for a few steps on the quick tiny target (real text: its drafts do get accepted) decodes
+    chat prompts token for token as the target's own greedy loop, with no cache and no vat code in the loop."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vat.config import load_config
+    from vat.export import load_draft
+    from vat.paths import resolve_target_path
+    from vat.trainer import main as train_main
+
+    out = str(tmp_path / "run")
+    train_main(load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny",
+                                        "dflash.yaml"), [
+        "target.path=tiny-quick", f"output_dir={out}", "data.tokens_per_batch=1024", "drafter.num_anchors=48",
+        "train.max_steps=6", "train.lr=3e-3", "train.save_every=0", "logging.progress=false"]))
+    target_dir = resolve_target_path("tiny-quick")
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = load_target(model, device="cpu")
+    draft, cfg = load_draft(os.path.join(out, "final"))
+    draft.set_embedding(target.embed_tokens().weight)
+    draft.set_lm_head(target.lm_head().weight)
+    target.aux_layer_ids = list(cfg.target_layer_ids)
+    engine = SpeculativeEngine(target, draft, max_new_tokens=32)
+    accepted = 0
+    for question in ("How do I make a cup of tea?", "Write a short poem about the sea."):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        gen = engine.generate(list(prompt))
+        assert gen.token_ids == greedy_reference(model, list(prompt), 32), question
+        accepted += sum(r.accepted for r in gen.rounds)
+    target.close()
+    assert accepted > 0, accepted  # the accept path ran on real text
