@@ -217,3 +217,81 @@ def test_fsdp_is_refused_on_cpu_in_one_line(workspace, tmp_path):  # noqa: F811
 
     with pytest.raises(VatError, match=r"^train.fsdp needs GPUs"):
         train_main(load_config(None, [*_overrides(workspace, str(tmp_path / "x")), "train.fsdp=true"]))
+
+
+def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from vat.config import LoraTrainConfig
+    from vat.distributed import full_state_dicts, load_full_state_dicts
+    from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from vat.lora import apply_lora, merged_draft
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           target_hidden_size=32, vocab_size=50, draft_vocab_size=50, verification_head=True)
+
+        def build(seed):
+            torch.manual_seed(seed)
+            model = Eagle3Drafter(cfg)
+            apply_lora(model, OmegaConf.structured(LoraTrainConfig(r=4, alpha=8.0)))
+            with torch.no_grad():  # adapters away from their zero start, so the merge is not the base
+                for name, p in model.named_parameters():
+                    if ".lora_B." in name:
+                        p.normal_()
+            return model
+
+        model = build(1)
+        reference = {k: v.clone() for k, v in model.state_dict().items()}
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.ones_like(p)
+        optim.step()
+        model_state, optim_state = full_state_dicts(model, optim, sharded=True)
+        # a differently seeded sharded twin loads the full state and gives it back unchanged
+        twin = build(2)
+        fully_shard(twin, mesh=init_device_mesh("cpu", (world,)))
+        twin_optim = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2)
+        objects = [model_state, optim_state]
+        dist.broadcast_object_list(objects, src=0)  # every rank passes the full dicts, as read from a checkpoint
+        load_full_state_dicts(twin, twin_optim, objects[0], objects[1], sharded=True)
+        again, again_optim = full_state_dicts(twin, twin_optim, sharded=True)
+        if rank == 0:
+            plain = merged_draft(model, model_state)
+            merged = plain.state_dict()
+            torch.save({"reference": reference, "state": model_state, "optim": optim_state, "again": again,
+                        "again_optim": again_optim, "merged": merged, "type": type(plain).__name__}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_full_state_dicts_gather_resume_and_merge_with_real_gloo(tmp_path):
+    """The FSDP2 checkpoint helpers on a LoRA draft sharded with torch's fully_shard over 2 gloo processes (what
+    accelerate's FSDP2 plugin applies on GPUs): rank 0 gets full tensors under the unsharded names, a sharded twin
+    loads them back exactly (model and optimizer), and the merged draft is built from the gathered state."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "fsdp.pt")
+    mp.spawn(_fsdp_worker, args=(2, f"file://{tmp_path}/rdv", out), nprocs=2, join=True)
+    got = torch.load(out, weights_only=False)
+    assert got["type"] == "Eagle3Drafter"
+    reference, state = got["reference"], got["state"]
+    assert set(state) == set(reference) and not any(hasattr(v, "full_tensor") for v in state.values())
+    for name, value in reference.items():  # the optimizer stepped only the trainable weights
+        trains = ".lora_" in name or name.startswith("verification_head.")
+        assert torch.equal(state[name], value) != trains, name
+        assert torch.equal(got["again"][name], state[name]), name
+    for pid, entry in got["optim"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(got["again_optim"]["state"][pid][key], value), (pid, key)
+    merged = got["merged"]
+    assert not any(".lora_" in k or ".base_layer." in k for k in merged)
+    a, b = state["midlayer.self_attn.q_proj.lora_A.default.weight"], state["midlayer.self_attn.q_proj.lora_B.default.weight"]
+    torch.testing.assert_close(merged["midlayer.self_attn.q_proj.weight"],
+                               state["midlayer.self_attn.q_proj.base_layer.weight"] + 2.0 * b @ a)

@@ -86,7 +86,37 @@ def full_state_dicts(model: torch.nn.Module, optimizer: Any, sharded: bool) -> t
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     optim = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optim, options=options)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optim, options=options)
+    # measured (torch 2.13, fully_shard on the root): the "full" dicts may still hold DTensors; gather what is left
+    keep = dist.get_rank() == 0
+    return _full_tensors(model_state, keep), _full_tensors(optim_state, keep)
+
+
+def _copy_containers(tree: Any) -> Any:
+    """``tree`` with new dicts and lists (the tensors shared)."""
+    from collections.abc import Mapping
+
+    if isinstance(tree, Mapping):
+        return {k: _copy_containers(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copy_containers(v) for v in tree)
+    return tree
+
+
+def _full_tensors(tree: Any, keep: bool) -> Any:
+    """``tree`` with every DTensor gathered to a full CPU tensor (a collective, in the tree's order on every rank);
+    ``keep=False`` drops the result (ranks other than 0)."""
+    from collections.abc import Mapping
+
+    if isinstance(tree, Mapping):
+        out = {k: _full_tensors(v, keep) for k, v in tree.items()}
+        return out if keep else {}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_full_tensors(v, keep) for v in tree)
+    if hasattr(tree, "full_tensor"):
+        return tree.full_tensor().cpu()
+    return tree.cpu() if isinstance(tree, torch.Tensor) else tree
 
 
 def load_full_state_dicts(model: torch.nn.Module, optimizer: Any, model_state: dict, optim_state: dict,
@@ -100,6 +130,8 @@ def load_full_state_dicts(model: torch.nn.Module, optimizer: Any, model_state: d
 
     options = StateDictOptions(full_state_dict=True)
     optim = getattr(optimizer, "optimizer", optimizer)
+    # torch.distributed.checkpoint shards the dicts it is given in place: hand it copies of the containers
+    model_state, optim_state = _copy_containers(model_state), _copy_containers(optim_state)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optim, optim_state, options=options)
 

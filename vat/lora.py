@@ -113,7 +113,12 @@ def merged_draft(model: nn.Module, state: dict[str, torch.Tensor] | None = None)
     Also what the trainer writes from a gathered FSDP2 state (no adapters: the state as is). The live model is left
     untouched (training continues after a checkpoint).
     """
+    cls = type(model)
+    from torch.distributed.fsdp import FSDPModule
+
+    if issubclass(cls, FSDPModule):  # FSDP2 swaps in a subclass: build the plain drafter class
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
     with torch.random.fork_rng(devices=[]):  # a checkpoint must not move the run's RNG (exact resume)
-        merged = type(model)(model.config)
+        merged = cls(model.config)
     merged.load_state_dict({k: v.detach().cpu() for k, v in merged_state_dict(model, state).items()}, strict=True)
     return merged.eval()
