@@ -82,6 +82,12 @@ class Trainer:
             mixed_precision=mixed, gradient_accumulation_steps=cfg.train.grad_accum, cpu=not torch.cuda.is_available(),
             **self._parallel_kwargs(),
         )
+        if self.sharded:  # accelerate shards only with several accelerator processes
+            from accelerate.utils import DistributedType
+
+            self.sharded = self.accelerator.distributed_type == DistributedType.FSDP
+            if not self.sharded and self.accelerator.is_main_process:
+                print("[vat] train.fsdp: a single process has nothing to shard; training unsharded")
         set_seed(cfg.seed)
         self.device = self.accelerator.device
         self.is_main = self.accelerator.is_main_process
