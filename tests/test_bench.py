@@ -243,3 +243,23 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
         assert versus["value"] == pytest.approx(eagle_tau / vat_tau)
         assert "vat" not in compared["vat"]["none"][bench]["versus"]  # never against itself
     assert "| ratio to ngram [95 % CI] | ratio to vat [95 % CI] |" in (out / "bench.md").read_text()
+
+    # a record of an earlier vat (another fingerprint) counts when the draft's saved config and the evaluations'
+    # settings are the ones wanted now; it then takes the current fingerprint. A draft trained otherwise does not.
+    from vat.bench.cells import cell_fingerprint, finished
+
+    bench_cfg = load_bench_config(QUICK, [f"output_dir={out}"])
+    cells = plan_cells(bench_cfg, str(out))
+    target = summary["target"]
+    record_path = out / "cells" / "vat" / "seed1" / "cell.json"
+    record = json.loads(record_path.read_text())
+    record_path.write_text(json.dumps({**record, "fingerprint": "from-an-earlier-vat"}))
+    cell = next(c for c in cells if c.name == "vat seed 1")
+    wanted = cell_fingerprint(bench_cfg, cell, target)
+    assert finished(cell, wanted) is None  # without the files' evidence: not finished
+    assert finished(cell, wanted, bench_cfg, target)["fingerprint"] == wanted
+    assert json.loads(record_path.read_text())["fingerprint"] == wanted  # migrated
+    record_path.write_text(json.dumps({**record, "fingerprint": "from-an-earlier-vat"}))
+    other = load_bench_config(QUICK, [f"output_dir={out}", "methods.vat.overrides=[train.lr=0.5]"])
+    cell = next(c for c in plan_cells(other, str(out)) if c.name == "vat seed 1")
+    assert finished(cell, cell_fingerprint(other, cell, target), other, target) is None

@@ -12,6 +12,7 @@ resumes from its newest checkpoint (``resume=auto``). ``cell.json`` is written l
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -24,8 +25,6 @@ from typing import Any
 from vat.errors import VatError
 
 CELL_FILE = "cell.json"
-# config keys vat gained after the bench's first version; unset, they mean what their absence meant before
-ADDED_UNSET_KEYS = (("train", "init_from"),)
 SETTINGS_FILE = "bench_settings.json"
 
 
@@ -151,12 +150,13 @@ def check_same_training(cells: list[Cell]) -> list[str]:
 
 
 def config_identity(cfg: Any) -> str | None:
-    """A training config as YAML without what does not change the draft, or None.
+    """A training config as YAML, less what does not change the draft, or None.
 
     Left out: ``logging`` (trackers, progress bars), ``train.stop_after`` (where a process stops, not what it
-    computes: a run stopped there resumes to the same numbers, DESIGN §10) and the keys added to vat's config since
-    the bench's first version while they are unset (:data:`ADDED_UNSET_KEYS`), so those keys leave the drafts and
-    cells of earlier runs valid.
+    computes: a run stopped there resumes to the same numbers, DESIGN §10) and every key at vat's default for the
+    config's method (:func:`method_defaults`: the method's preset applied). So a key
+    that a newer vat adds with a default that keeps the old behaviour (``train.init_from``, ``train.lora``) leaves the
+    drafts and cells of earlier runs valid; a key a run sets away from its default is always part of the identity.
 
     Args:
         cfg: a config object, or the path of a saved ``config.yaml``.
@@ -173,10 +173,41 @@ def config_identity(cfg: Any) -> str | None:
     data = OmegaConf.to_container(cfg, resolve=True)
     data.pop("logging", None)
     data.get("train", {}).pop("stop_after", None)
-    for section, key in ADDED_UNSET_KEYS:
-        if data.get(section, {}).get(key, None) is None:
-            data.get(section, {}).pop(key, None)
-    return OmegaConf.to_yaml(OmegaConf.create(data))
+    method = str(data.get("method", "eagle3"))
+    kept = {"method": method, **_without_defaults(data, method_defaults(method))}  # the method always names itself
+    return OmegaConf.to_yaml(OmegaConf.create(kept))
+
+
+@functools.cache
+def method_defaults(method: str) -> dict:
+    """vat's default training config for ``method`` as a dict, its preset applied (what a recipe setting nothing
+    gets)."""
+    from omegaconf import OmegaConf
+
+    from vat.config import VatConfig, load_config
+
+    try:
+        cfg = load_config(None, [f"method={method}"])
+    except Exception:  # a method this vat no longer knows: compare against the plain defaults
+        cfg = OmegaConf.structured(VatConfig)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _without_defaults(data: dict, defaults: Any) -> dict:
+    """``data`` less every key whose value equals ``defaults``' (nested sections compared key by key)."""
+    out = {}
+    for key, value in data.items():
+        default = defaults.get(key, _MISSING) if isinstance(defaults, dict) else _MISSING
+        if isinstance(value, dict):
+            inner = _without_defaults(value, default if isinstance(default, dict) else {})
+            if inner:
+                out[key] = inner
+        elif value != default:
+            out[key] = value
+    return out
+
+
+_MISSING = object()
 
 
 def _sha(text: str) -> str:
@@ -217,12 +248,46 @@ def cell_fingerprint(bench: Any, cell: Cell, target: str) -> str:
     return _sha(json.dumps(parts, sort_keys=True))
 
 
-def finished(cell: Cell, fingerprint: str) -> dict | None:
-    """The cell's record when it finished with these settings, else None."""
-    record = _read_json(os.path.join(cell.directory, CELL_FILE))
-    if record and record.get("fingerprint") == fingerprint and os.path.exists(eval_path(cell)):
+def finished(cell: Cell, fingerprint: str, bench: Any = None, target: str | None = None) -> dict | None:
+    """The cell's record when it finished with these settings, else None.
+
+    A trained cell whose record carries another fingerprint still counts when what it ran can be checked against
+    what is wanted now (``bench`` and ``target`` given): its draft's saved training config has the same identity
+    (:func:`config_identity`: vat's defaults left out) and its evaluations ran with the wanted settings. Its record
+    then takes the current fingerprint. So records of an earlier vat, whose identity kept every default, stay valid.
+    """
+    path = os.path.join(cell.directory, CELL_FILE)
+    record = _read_json(path)
+    if not record or not os.path.exists(eval_path(cell)):
+        return None
+    if record.get("fingerprint") == fingerprint:
+        return record
+    if bench is not None and target is not None and cell.trained and _ran_as_wanted(bench, cell, target, record):
+        record["fingerprint"] = fingerprint
+        _write_json(path, record)
         return record
     return None
+
+
+def _ran_as_wanted(bench: Any, cell: Cell, target: str, record: dict) -> bool:
+    """A trained cell's draft and evaluations, read from its files, are the ones its current settings ask for."""
+    steps = sorted(set(bench.curve.steps))
+    if [p.get("step") for p in record.get("curve") or []] != steps:
+        return False
+    saved = config_identity(os.path.join(cell.train_cfg.output_dir, "final", "config.yaml"))
+    if saved is None or saved != config_identity(cell.train_cfg):
+        return False
+
+    def ran_with(directory: str, settings: dict) -> bool:
+        recorded = _read_json(os.path.join(directory, SETTINGS_FILE)) or {}
+        recorded.pop("train", None)  # the hash of the identity as the earlier vat wrote it
+        recorded.pop("step", None)
+        return recorded == {"target": target, **settings, "drafts": [cell.method]}
+
+    if not ran_with(os.path.join(cell.directory, "eval"), eval_settings(bench)):
+        return False
+    curve = eval_settings(bench, curve=True)
+    return all(ran_with(os.path.join(cell.directory, "curve", f"step_{step}"), curve) for step in steps)
 
 
 def eval_path(cell: Cell) -> str:

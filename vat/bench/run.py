@@ -119,7 +119,7 @@ def run_bench(bench: Any, progress: bool | None = None) -> dict:
     eta = Eta(cells)
     for i, (cell, fingerprint) in enumerate(zip(cells, fingerprints), 1):
         head = f"[vat bench {i}/{len(cells)}] {cell.name}"
-        if finished(cell, fingerprint) is not None:
+        if finished(cell, fingerprint, bench, target) is not None:
             eta.done(cell, None)
             print(f"{head}: finished earlier, skipped | {eta.text()}", flush=True)
             continue

@@ -187,7 +187,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
     records: dict[str, list[dict]] = {}
     done_cells = []
     for cell, fingerprint in zip(cells, fingerprints):
-        record = finished(cell, fingerprint)
+        record = finished(cell, fingerprint, bench, target)
         if record is not None:
             records.setdefault(cell.method, []).append(record)
             done_cells.append(cell)
