@@ -633,3 +633,24 @@ def test_union_lambda_ratio_on_sampled_anchors():
     others = torch.ones(B * T, dtype=torch.bool)
     others[anchors] = False
     assert float(extra[others].abs().max()) == 0.0  # the union term reaches only the sampled anchors
+
+
+def test_logged_objective_takes_the_union_term_unscaled():
+    """A fresh draft whose union barely depends on its logits: s = ||∇imit|| / ||∇union|| is huge, so the optimised
+    loss is ~λ·s·U/E; the logged objective is imitation + λ·L_union, which stays near the imitation term."""
+    draft_logits, td_k, valid, table, routing = _union_case(L=2, E=8, top_k=2, Vd=12, seed=6)
+    gen = torch.Generator().manual_seed(6)
+    flat = table[:1].expand_as(table) + 1e-7 * torch.rand(table.shape, generator=gen)  # rows almost identical
+    sw = dict(soft_weight=1.0, hard_weight=1.0, adaptive_weights=True, union_top_m=4)
+    lam = 0.3
+    base, mb = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw), affinity=flat, anchor_routing=routing)
+    full, m = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw, union_weight=lam), affinity=flat,
+                            anchor_routing=routing)
+    scale, union = m["union_scale_sum"].item(), m["union_loss_sum"].item()
+    assert scale > 1e4  # the situation of the issue: a scale that would blow up the logged number
+    assert 0 < union <= 1.0 and m["union_loss_count"].item() == 1.0
+    assert full.item() == pytest.approx(base.item() + lam * scale * union, rel=1e-4)
+    assert m["objective_sum"].item() == pytest.approx(base.item() + lam * union, rel=1e-6)
+    assert mb["objective_sum"].item() == pytest.approx(base.item(), rel=1e-6) and "union_loss_sum" not in mb
+    out = finalize_metrics({k: v for k, v in m.items()})
+    assert out["objective"] == pytest.approx(base.item() + lam * union, rel=1e-6) and out["union_scale"] == scale

@@ -431,7 +431,10 @@ def vat_objective(
         ``(loss (), metrics)``: metrics are detached SUM-reducible tensors — ``loss_k_sum/count (K,)``,
         ``acc_k_sum/count (K,)``, ``cond_acc_k_sum/count (K,)``, ``tau_sim_sum/count ()``, ``weight_sum ()``
         (Σ ŵ over imitation positions), ``imitation_anchors ()``, and when computed ``vh_bce_sum/count ()``,
-        ``union_sim_sum/count ()`` (in experts per layer per anchor), ``union_scale_sum/count ()``.
+        ``union_sim_sum/count ()`` (in experts per layer per anchor), ``union_scale_sum/count ()`` (the grad_ratio
+        scale s), ``union_loss_sum/count ()`` (the unscaled ``L_union``) and ``objective_sum/count ()``: the
+        objective with the union term unscaled, ``imitation + vh + λ·L_union`` — what the trainer logs as ``loss``
+        (the optimised one carries ``λ·s·L_union``, s up to ~1e7 for a fresh draft).
     """
     K = draft_logits.shape[-2]
     dev = draft_logits.device
@@ -487,6 +490,7 @@ def vat_objective(
         metrics["vh_bce_sum"] = bce_sum.detach()
         metrics["vh_bce_count"] = bce_count
 
+    logged: Tensor | None = None  # the objective as logged: the union term without the grad_ratio scale
     if switches.union_weight and (affinity is None or anchor_routing is None):
         raise ValueError("union_weight > 0 needs the affinity table and the anchors' routing")
     if affinity is not None and anchor_routing is not None:
@@ -509,11 +513,18 @@ def vat_objective(
                 g_imit = imitation_logit_grad(u_logits.detach(), u_target, u_wm, switches, denom)
                 (g_union,) = torch.autograd.grad(penalty, u_logits, retain_graph=True)
                 scale = union_grad_scale(g_imit, g_union)
+            # the logged objective takes the union term unscaled: s is ~1e7 when a fresh draft's union gradient is
+            # near zero, which bounds the gradient but would make the logged number meaningless
+            logged = loss.detach() + switches.union_weight * penalty.detach()
             loss = loss + switches.union_weight * scale * penalty
             metrics["union_scale_sum"] = scale.detach()
             metrics["union_scale_count"] = torch.ones((), device=dev)
+            metrics["union_loss_sum"] = penalty.detach().float()
+            metrics["union_loss_count"] = torch.ones((), device=dev)
         metrics["union_sim_sum"] = u_sum
         metrics["union_sim_count"] = u_count
+    metrics["objective_sum"] = (logged if logged is not None else loss.detach()).float()
+    metrics["objective_count"] = torch.ones((), device=dev)
     return loss, metrics
 
 

@@ -558,7 +558,10 @@ class Trainer:
         }
         loss = self.accelerator.reduce(loss.to(self.device), reduction="mean")
         record: dict[str, Any] = {"step": self.step, "loss": float(loss)}
-        for key, value in finalize_metrics(reduced).items():
+        finalized = finalize_metrics(reduced)
+        if "objective" in finalized:  # the union term unscaled (union_scale is logged beside it)
+            record["loss"] = float(finalized.pop("objective"))
+        for key, value in finalized.items():
             if isinstance(value, (list, tuple)):  # per-step lists -> acc_0 ... acc_{K-1}
                 base = key[:-2] if key.endswith("_k") else key
                 record.update({f"{base}_{i}": _finite_or_none(v) for i, v in enumerate(value)})
