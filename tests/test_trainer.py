@@ -223,3 +223,34 @@ def test_init_from_with_a_vocab_file_is_refused_in_one_line(tmp_path):
 
     with pytest.raises(VatError, match=r"^config keys `train.init_from` and `data.vocab` are both set[^\n]*$"):
         load_config(None, [f"train.init_from={tmp_path}", f"data.vocab={tmp_path / 'v.safetensors'}"])
+
+
+def test_budgeted_training_forward_prefills_the_prompt_unbudgeted(workspace, tmp_path):
+    """Prompt-only perturbation: under budget B=1 the trainer's target forward leaves every prompt (non-loss) position
+    exactly as the unbudgeted forward computes it — hidden states, logits and routing — while the response positions
+    change; budgeting the whole sequence (the old behaviour) changes the prompt positions too."""
+    from dataclasses import replace
+
+    from vat.data import collate
+    from vat.trainer import Trainer
+
+    trainer = Trainer(_cfg(workspace, str(tmp_path / "pf"), "method=vat", "budget.B=1", "target.experts_impl=eager"))
+    trainer.setup()
+    try:
+        batch = collate([trainer.dataset[i] for i in range(3)], trainer.pad_id)
+        budget = replace(trainer.budget, offset=0)
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        natural = trainer.target.forward(ids, attention_mask=attn)
+        served = trainer._target_forward(batch, budget)
+        whole = trainer.target.forward(ids, attention_mask=attn, budget=budget)
+    finally:
+        trainer.close()
+    prompt = attn.bool() & ~batch["loss_mask"].bool()  # (B, T)
+    response = attn.bool() & batch["loss_mask"].bool()
+    assert prompt.sum() > 10 and response.sum() > 10
+    torch.testing.assert_close(served.aux_hidden[prompt], natural.aux_hidden[prompt], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(served.logits[prompt], natural.logits[prompt], atol=1e-6, rtol=1e-6)
+    assert torch.equal(served.topk_ids[:, prompt], natural.topk_ids[:, prompt])
+    assert (served.window_groups[prompt] == -1).all() and (served.window_groups[response] >= 0).all()
+    assert (served.logits[response] - natural.logits[response]).abs().max() > 1e-3  # the budget bites there
+    assert (whole.logits[prompt] - natural.logits[prompt]).abs().max() > 1e-3  # and would on the prompt too

@@ -1,8 +1,8 @@
 """`vat train RECIPE.yaml [key=value ...]`: train an EAGLE-3 or DFlash draft (baseline or VAT) against a frozen MoE
 target.
 
-One step (online mode): the frozen target runs once under ``torch.no_grad`` — windowed-budgeted when
-``budget.B`` is set — and gives the aux features, the logits and the executed routing; the draft runs its
+One step (online mode): the frozen target runs once under ``torch.no_grad`` — windowed-budgeted on the response
+positions when ``budget.B`` is set (the prompt is prefilled with natural routing, as served) — and gives the aux features, the logits and the executed routing; the draft runs its
 training forward (EAGLE-3: the training-time-test unroll; DFlash: one block per sampled anchor), which
 :mod:`vat.slots` puts in the shared (B, anchors, K) slot layout; :func:`vat.losses.vat_objective` simulates
 verification and returns the loss and metric sums; accelerate handles devices, mixed precision, gradient
@@ -397,12 +397,23 @@ class Trainer:
                                vh_detach=self.cfg.loss.vh_detach)
         return ttt_slots(out, dist, batch, tout.topk_ids, E, self.K, onpolicy)
 
+    def _target_forward(self, batch: dict[str, torch.Tensor], budget):
+        """The step's one target forward. Under a budget only the response (loss-masked) positions are budgeted:
+        as served, the prompt — and every later user turn — is prefilled with natural routing, and only the
+        verification forwards over the model's own answer run under the budget (DESIGN §6). The prompt positions'
+        hidden states, logits and routing are therefore the unbudgeted forward's exactly (causal attention)."""
+        input_ids, attention = batch["input_ids"], batch["attention_mask"]
+        token_mask = None
+        if budget is not None:
+            token_mask = attention.bool() & batch["loss_mask"].bool()  # (B, T) budgeted positions
+        return self.target.forward(input_ids, attention_mask=attention, token_mask=token_mask, budget=budget)
+
     def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         from vat.losses import vat_objective
         from vat.verify import simulate_verification, target_dist
 
         input_ids, attention = batch["input_ids"], batch["attention_mask"]
-        tout = self.target.forward(input_ids, attention_mask=attention, budget=budget)
+        tout = self._target_forward(batch, budget)
         dist = target_dist(tout.logits, self.draft_to_target)  # fields (B, T, ·)
         slots = self._draft_slots(batch, tout, dist)  # (B, A, K, ·)
         valid, censored = slots.valid, slots.censored
