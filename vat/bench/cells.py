@@ -152,7 +152,8 @@ def check_same_training(cells: list[Cell]) -> list[str]:
 def config_identity(cfg: Any) -> str | None:
     """A training config as YAML, less what does not change the draft, or None.
 
-    Left out: ``logging`` (trackers, progress bars), ``train.stop_after`` (where a process stops, not what it
+    Left out: ``logging`` (trackers, progress bars), ``output_dir`` and ``resume`` (a bench directory copied
+    elsewhere keeps its cells), ``train.stop_after`` (where a process stops, not what it
     computes: a run stopped there resumes to the same numbers, DESIGN §10) and every key at vat's default for the
     config's method (:func:`method_defaults`: the method's preset applied). So a key
     that a newer vat adds with a default that keeps the old behaviour (``train.init_from``, ``train.lora``) leaves the
@@ -171,7 +172,8 @@ def config_identity(cfg: Any) -> str | None:
         except Exception:  # a torn file: not the same config
             return None
     data = OmegaConf.to_container(cfg, resolve=True)
-    data.pop("logging", None)
+    for where in ("logging", "output_dir", "resume"):  # where a run writes and how it restarts, not what it computes
+        data.pop(where, None)
     data.get("train", {}).pop("stop_after", None)
     method = str(data.get("method", "eagle3"))
     kept = {"method": method, **_without_defaults(data, method_defaults(method))}  # the method always names itself
@@ -274,7 +276,10 @@ def _ran_as_wanted(bench: Any, cell: Cell, target: str, record: dict) -> bool:
     steps = sorted(set(bench.curve.steps))
     if [p.get("step") for p in record.get("curve") or []] != steps:
         return False
-    saved = config_identity(os.path.join(cell.train_cfg.output_dir, "final", "config.yaml"))
+    run_dir = cell.train_cfg.output_dir
+    saved = config_identity(os.path.join(run_dir, "final", "config.yaml"))
+    if saved is None:  # a copied record without its draft (docs/bench/*/cells): the run's own config
+        saved = config_identity(os.path.join(run_dir, "config.yaml"))
     if saved is None or saved != config_identity(cell.train_cfg):
         return False
 
