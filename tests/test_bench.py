@@ -263,3 +263,45 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
     other = load_bench_config(QUICK, [f"output_dir={out}", "methods.vat.overrides=[train.lr=0.5]"])
     cell = next(c for c in plan_cells(other, str(out)) if c.name == "vat seed 1")
     assert finished(cell, cell_fingerprint(other, cell, target), other, target) is None
+
+
+def test_budgeted_rows_carry_quality_pooled_over_seeds_and_prompts(tmp_path):
+    """Two seeds' eval.json with per-prompt quality counts at B = 2: bench.json pools them (Σ matches / Σ compared,
+    Σ KL / Σ tokens) beside τ, and bench.md shows agreement and KL only in the budgeted table."""
+    from types import SimpleNamespace
+
+    from vat.bench.cells import Cell
+    from vat.bench.summary import markdown, method_statistics, per_prompt_table
+
+    def prompt(qid, committed, rounds, matches, compared, kl_sum, kl_count):
+        q = {"matches": matches, "compared": compared, "first_divergence": matches, "turns": 1,
+             "identical": int(matches == compared), "kl_sum": kl_sum, "kl_count": kl_count}
+        return {"question_id": qid, "committed": committed, "rounds": rounds, "quality": q}
+
+    cells = []
+    for seed, (m0, m1, kl) in enumerate(((4, 2, 0.3), (3, 5, 0.1))):
+        cell = Cell("vat", seed, str(tmp_path / f"seed{seed}"))
+        os.makedirs(os.path.join(cell.directory, "eval"))
+        natural = [{"question_id": q, "committed": 6, "rounds": 3} for q in ("a", "b")]
+        budgeted = [prompt("a", 5, 3, m0, 5, kl, 5), prompt("b", 4, 3, m1, 5, 2 * kl, 5)]
+        with open(os.path.join(cell.directory, "eval", "eval.json"), "w") as f:
+            json.dump({"settings": {"temperature": 0.0},
+                       "per_prompt": {"vat": {"none": {"sb": natural}, "2": {"sb": budgeted}}}}, f)
+        cells.append(cell)
+    rows = per_prompt_table(cells)
+    boot = SimpleNamespace(samples=200, seed=0, confidence=0.95)
+    stats = method_statistics(rows, ["vat"], "vat", ["none", "2"], boot)
+    q = stats["vat"]["2"]["sb"]["quality"]
+    assert q["agreement"] == pytest.approx((4 + 2 + 3 + 5) / 20)
+    assert q["kl_to_natural"] == pytest.approx((0.3 + 0.6 + 0.1 + 0.2) / 20)
+    assert q["first_divergence"] == pytest.approx(14 / 4) and q["turns"] == 4
+    assert "quality" not in stats["vat"]["none"]["sb"]
+    summary = {"reference": "vat", "progress": {"complete": True, "cells_done": 2, "cells_total": 2},
+               "interval": {"confidence": 0.95, "kind": "percentile bootstrap", "samples": 200, "resampled": "x"},
+               "settings": {"eval": {"limit": 2, "max_new_tokens": 8, "steps": 3, "temperature": 0.0}},
+               "name": "t", "target": "tiny", "seeds": [0, 1], "methods": ["vat"], "baselines": [], "compare": [],
+               "budgets": ["none", "2"], "benchmarks": ["sb"], "results": stats, "train": {}, "curve": {}}
+    md = markdown(summary)
+    natural_table, budget_table = md.split("## sb, expert budget B = 2")
+    assert "agreement" not in natural_table.split("## sb")[1]
+    assert "| agreement | KL to natural |" in budget_table and "70.0 % | 0.0600 |" in budget_table

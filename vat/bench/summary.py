@@ -16,6 +16,7 @@ import numpy as np
 from vat.bench.cells import Cell, eval_path, finished
 from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau
 from vat.errors import VatError
+from vat.eval.quality import add_counts, empty_counts, summarize_quality
 
 BENCH_FORMAT_VERSION = 1
 NO_BUDGET = "none"
@@ -44,7 +45,7 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
             for budget, per_bench in per_budget.items():
                 for bench, prompts in per_bench.items():
                     entry = rows.setdefault((label, budget, bench), {"seeds": [], "ids": None, "committed": [],
-                                                                     "rounds": []})
+                                                                     "rounds": [], "quality": None})
                     ids = [p["question_id"] for p in prompts]
                     if entry["ids"] is not None and ids != entry["ids"]:
                         raise VatError(f"{cell.name}: the prompts of {bench} differ from the other seeds' (eval "
@@ -53,6 +54,13 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
                     entry["seeds"].append(cell.seed)
                     entry["committed"].append([p["committed"] for p in prompts])
                     entry["rounds"].append([p["rounds"] for p in prompts])
+                    if budget != NO_BUDGET and all("quality" in p for p in prompts):
+                        # quality under the budget: counts pooled over seeds and prompts (vat.eval.quality)
+                        quality = entry["quality"] or {"counts": empty_counts(), "greedy": True}
+                        for p in prompts:
+                            add_counts(quality["counts"], p["quality"])
+                        quality["greedy"] &= float(result["settings"].get("temperature", 0.0)) == 0.0
+                        entry["quality"] = quality
     for entry in rows.values():
         entry["committed"] = np.asarray(entry["committed"], dtype=np.float64)  # (S, P)
         entry["rounds"] = np.asarray(entry["rounds"], dtype=np.float64)  # (S, P)
@@ -90,6 +98,9 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
             "n_prompts": len(entry["ids"]),
             "ratio": None,
         }
+        if budget != NO_BUDGET:  # a τ under a budget is never given without its quality (None: an older eval.json)
+            q = entry.get("quality")
+            stats["quality"] = summarize_quality(q["counts"], q["greedy"]) if q else None
         ref = rows.get((reference, budget, bench)) or rows.get((reference, NO_BUDGET, bench))
         if ref is not None and ref["ids"] == entry["ids"]:
             if ref is entry:
@@ -241,6 +252,17 @@ def _fmt(est: dict | None, digits: int = 3) -> str:
     return f"{est['value']:.{digits}f} [{est['low']:.{digits}f}, {est['high']:.{digits}f}]"
 
 
+def _quality_cells(quality: dict | None) -> str:
+    """The agreement and KL cells of a budgeted row ('' for a natural-routing table)."""
+    if quality is None:
+        return ""
+    if not quality:
+        return "not measured (older eval: rerun) | – | "
+    agree = "–" if quality["agreement"] is None else f"{100 * quality['agreement']:.1f} %"
+    kl = "–" if quality["kl_to_natural"] is None else f"{quality['kl_to_natural']:.4f}"
+    return f"{agree} | {kl} | "
+
+
 def markdown(summary: dict) -> str:
     """bench.md: one table per benchmark (and budget), then the curve table."""
     ref = summary["reference"]
@@ -265,10 +287,16 @@ def markdown(summary: dict) -> str:
         for bench in summary["benchmarks"]:
             title = bench if budget == NO_BUDGET else f"{bench}, expert budget B = {budget}"
             versus = list(versus_labels(summary["baselines"], summary.get("compare", [])))
-            lines += [f"## {title}", "",
-                      f"| method | τ [{conf} % CI] | ratio to {ref} [{conf} % CI] | "
+            budgeted = budget != NO_BUDGET
+            quality_head = "agreement | KL to natural | " if budgeted else ""
+            lines += [f"## {title}", ""]
+            if budgeted:
+                lines += ["Quality beside τ, pooled over seeds and prompts: agreement = per-token agreement with the "
+                          "natural greedy output of the same prompt, KL to natural = KL(budgeted ‖ natural) of the "
+                          "next-token distribution on the target's own text, nats per token.", ""]
+            lines += [f"| method | τ [{conf} % CI] | {quality_head}ratio to {ref} [{conf} % CI] | "
                       + "".join(f"ratio to {b} [{conf} % CI] | " for b in versus) + "seeds | train min/draft |",
-                      "|---|---|---|" + "---|" * len(versus) + "---|---|"]
+                      "|---|---|" + "---|---|" * budgeted + "---|" + "---|" * len(versus) + "---|---|"]
             for label in labels:
                 stats = summary["results"].get(label, {}).get(budget, {}).get(bench)
                 if stats is None:
@@ -278,7 +306,8 @@ def markdown(summary: dict) -> str:
                 seeds = str(len(stats["seeds"])) if stats["seeds"] else "–"
                 minutes = f"{train[label]['minutes_per_draft']:.2f}" if label in train else "–"
                 against = "".join(f"{_fmt(stats.get('versus', {}).get(b))} | " for b in versus)
-                lines.append(f"| {label} | {_fmt(stats['tau'])} | {shown} | {against}{seeds} | {minutes} |")
+                quality = _quality_cells(stats.get("quality", {}) if budgeted else None)
+                lines.append(f"| {label} | {_fmt(stats['tau'])} | {quality}{shown} | {against}{seeds} | {minutes} |")
             lines.append("")
     if summary["curve"]:
         lines += ["## τ against training tokens", "",

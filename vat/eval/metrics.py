@@ -7,7 +7,7 @@ pooling benchmarks or categories is exact.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,11 +26,13 @@ class PromptRun:
         question_id: the benchmark's id.
         category: the prompt's category.
         turns: one :class:`Generation` per user turn.
+        prompt_ids: the rendered prompt of each turn (the conversation so far, the model's own answers included).
     """
 
     question_id: object
     category: str
     turns: list[Generation]
+    prompt_ids: list[list[int]] = field(default_factory=list)
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -53,8 +53,10 @@ def _accept(metrics: dict, k: int) -> str:
 def _row(draft: str, budget: str, m: dict) -> str:
     union = m["union_per_round"]
     bytes_tok = m["expert_bytes_per_token"]
+    q = m.get("quality") or {}
     cells = [
-        draft, budget, _fmt(m["tau"]), *[_accept(m, k) for k in range(ACCEPT_COLUMNS)],
+        draft, budget, _fmt(m["tau"]), _quality(q.get("agreement"), "pct"), _fmt(q.get("first_divergence"), 1),
+        _quality(q.get("kl_to_natural"), "kl"), *[_accept(m, k) for k in range(ACCEPT_COLUMNS)],
         _fmt(m["verified_tokens_per_round"], 1), _fmt(union["mean"], 1), _fmt(union["p90"], 0),
         _fmt(None if bytes_tok is None else bytes_tok / MIB, 3), _fmt(m["target_forwards_per_token"], 3),
         _fmt(m["tokens_per_s"], 1), _fmt(m["speedup_vs_ar"]), str(m["n_prompts"]), str(m["n_rounds"]),
@@ -62,8 +64,14 @@ def _row(draft: str, budget: str, m: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _quality(value, kind: str) -> str:
+    if value is None:
+        return "–"
+    return f"{100 * value:.1f} %" if kind == "pct" else f"{value:.4f}"
+
+
 HEADER = (
-    "| draft | budget | τ | " + " | ".join(f"acc@{k + 1}" for k in range(ACCEPT_COLUMNS))
+    "| draft | budget | τ | agreement | 1st divergence | KL to natural | " + " | ".join(f"acc@{k + 1}" for k in range(ACCEPT_COLUMNS))
     + " | verified/round | union/layer/round | union p90 | expert MiB/token | target fwd/token | tok/s | speed-up"
     " | prompts | rounds |"
 )
@@ -142,7 +150,11 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
         "τ = tokens committed per verification round (accepted drafts + 1); acc@k = P(draft k accepted | position k "
         "reached); union = distinct experts executed per MoE layer per verification forward (routing captured from "
         "the forward itself); speed-up = tokens/s over the autoregressive baseline measured in the same run. "
-        "Definitions: docs/eval.md.",
+        "A budgeted target is another model, so every budgeted row carries its quality: agreement = per-token "
+        "agreement of its output with the natural greedy output of the same prompt, 1st divergence = tokens until "
+        "they first differ (mean per turn), KL to natural = KL(budgeted ‖ natural) of the next-token distribution "
+        "on the target's own text, nats per token (prompt prefilled unbudgeted, response in verification-block "
+        "windows). Definitions: docs/eval.md.",
         "",
         "## All benchmarks pooled",
         "",
@@ -153,6 +165,10 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
         lines += ["", f"## {name}", ""]
         if skipped:
             lines += [f"{skipped} prompt(s) skipped: too long for the target's positions.", ""]
+        ref = result.get("quality_reference", {}).get(name)
+        if ref:
+            extra = f", {ref['seconds']:.1f} s extra" if ref["seconds"] else ""
+            lines += [f"Quality reference: {ref['source']}{extra}.", ""]
         lines += [metrics_table(_configs(result, name)), "", "τ per category:", "", category_table(result, name)]
     if figures:
         lines += ["", "## Figures", ""]

@@ -24,6 +24,7 @@ from vat.eval.engine import SpeculativeEngine
 from vat.eval.metrics import PromptRun, by_category, prompt_counts, prompt_totals, set_speedups, summarize
 from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, NgramSpec
 from vat.eval.prompts import decode, eos_token_ids, render_chat
+from vat.eval.quality import add_counts, empty_counts, response_kl, sequence_agreement, summarize_quality
 from vat.eval.tree import TreeSpec
 
 AR_LABEL = "none"
@@ -220,17 +221,19 @@ def _generator(device: torch.device, seed: int, index: int, turn: int) -> torch.
 def _decode_prompt(engine, tokenizer, prompt, index: int, seed: int) -> tuple[PromptRun, list[list[int]], list[str]]:
     """Every turn of one prompt; the model's own answer goes back before the next user turn."""
     messages: list[dict[str, str]] = []
-    gens, ids, texts = [], [], []
+    gens, ids, texts, prompts_ids = [], [], [], []
     for turn, question in enumerate(prompt.turns):
         messages.append({"role": "user", "content": question})
         prompt_ids = render_chat(tokenizer, messages)
+        prompts_ids.append(list(prompt_ids))
         gen = engine.generate(prompt_ids, _generator(engine.target.device, seed, index, turn))
         text = decode(tokenizer, gen.token_ids)
         messages.append({"role": "assistant", "content": text})
         gens.append(gen)
         ids.append(gen.token_ids)
         texts.append(text)
-    return PromptRun(question_id=prompt.question_id, category=prompt.category, turns=gens), ids, texts
+    run = PromptRun(question_id=prompt.question_id, category=prompt.category, turns=gens, prompt_ids=prompts_ids)
+    return run, ids, texts
 
 
 def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_new_tokens, eos):
@@ -381,6 +384,8 @@ def run_eval(
     all_runs: dict[tuple[str, str], list[PromptRun]] = {}
     skipped: dict[str, dict[str, int]] = {}
     bench_names: list[str] = []
+    quality_reference: dict[str, dict] = {}  # benchmark -> where the natural output came from, its extra seconds
+    pooled_quality: dict[tuple[str, str], dict[str, float]] = {}  # (label, budget) -> quality counts
     try:
         for spec in benchmarks:
             loaded = load_benchmark(spec, limit=limit)
@@ -394,11 +399,13 @@ def run_eval(
                 warnings.warn(f"benchmark {name}: every prompt is too long for the target; skipped", stacklevel=2)
                 continue
             bench_names.append(name)
-            for config in configs:
+            bench_runs: dict[int, list[PromptRun]] = {}
+            for index, config in enumerate(configs):
                 engine = _engine(target_obj, config, steps=steps, tree=tree_spec, temperature=temperature,
                                  policy=policy, max_new_tokens=max_new_tokens, eos=eos)
                 runs = _run_config(engine, tok, prompts, config, name, temperature, seed, gen_file, progress,
                                    bytes_per_layer)
+                bench_runs[index] = runs
                 metrics = summarize(runs, bytes_per_layer, E)
                 metrics["categories"] = by_category(runs, bytes_per_layer, E)
                 results.setdefault(config.draft.label, {}).setdefault(config.budget_label, {})[name] = metrics
@@ -407,6 +414,14 @@ def run_eval(
                     prompt_totals(run, bytes_per_layer) for run in runs
                 ]
                 all_runs.setdefault((config.draft.label, config.budget_label), []).extend(runs)
+            if any(c.budget is not None for c in configs):
+                reference, source, ref_seconds = _natural_reference(
+                    target_obj, configs, bench_runs, tok, prompts, temperature=temperature, seed=seed, policy=policy,
+                    max_new_tokens=max_new_tokens, eos=eos, steps=steps, progress=progress)
+                quality_reference[name] = {"source": source, "seconds": ref_seconds}
+                _add_quality(target_obj, configs, bench_runs, reference, name, results, per_prompt, pooled_quality,
+                             steps=steps, tree_spec=tree_spec, policy=policy, greedy=temperature == 0,
+                             source=source, progress=progress)
     finally:
         target_obj.aux_layer_ids = saved_aux_ids
         if gen_file is not None:
@@ -415,6 +430,10 @@ def run_eval(
     pooled: dict[str, dict[str, dict]] = {}
     for (label, budget), runs in all_runs.items():
         pooled.setdefault(label, {})[budget] = summarize(runs, bytes_per_layer, E)
+        if (label, budget) in pooled_quality:
+            pooled[label][budget]["quality"] = summarize_quality(
+                pooled_quality[(label, budget)], temperature == 0,
+                "; ".join(sorted({r["source"] for r in quality_reference.values()})))
     ar = results.get(AR_LABEL, {}).get(NO_BUDGET, {})
     for label, per_budget in results.items():
         for budget, per_bench in per_budget.items():
@@ -445,6 +464,7 @@ def run_eval(
         },
         "benchmarks": bench_names,
         "skipped": skipped,
+        "quality_reference": quality_reference,
         "results": results,
         "pooled": pooled,
         "per_prompt": per_prompt,
@@ -455,6 +475,63 @@ def run_eval(
 
         write_outputs(result, output, plots=plots)
     return result
+
+
+def _natural_reference(target, configs: list[RunConfig], bench_runs: dict[int, list[PromptRun]], tok, prompts, *,
+                       temperature: float, seed: int, policy: str, max_new_tokens: int, eos, steps: int,
+                       progress: bool) -> tuple[list[PromptRun], str, float]:
+    """The natural greedy decode of every prompt, the reference of the quality figures.
+
+    At temperature 0 a run at natural routing (the AR pass, or any draft at ``--budget none``: greedy speculative
+    decoding is lossless) already is it, at no cost. Otherwise — a bench cell without the AR pass and without
+    ``none`` among its budgets, or sampling — one extra autoregressive greedy pass per prompt produces it (the cost
+    of an AR baseline, recorded in ``quality_reference``).
+    """
+    from tqdm.auto import tqdm
+
+    if temperature == 0:
+        for index, config in enumerate(configs):
+            if config.budget is None and index in bench_runs:
+                return bench_runs[index], f"{config.draft.label} at budget none (lossless greedy)", 0.0
+    engine = _engine(target, RunConfig(DraftEntry(AR_LABEL, None), None), steps=steps, tree=None, temperature=0.0,
+                     policy=policy, max_new_tokens=max_new_tokens, eos=eos)
+    start = time.perf_counter()
+    runs = [_decode_prompt(engine, tok, p, i, seed)[0]
+            for i, p in enumerate(tqdm(prompts, desc="natural greedy reference", disable=not progress, leave=False))]
+    return runs, "natural greedy decode (extra AR pass)", time.perf_counter() - start
+
+
+def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[PromptRun]],
+                 reference: list[PromptRun], bench: str, results: dict, per_prompt: dict, pooled_quality: dict, *,
+                 steps: int, tree_spec: TreeSpec | None, policy: str, greedy: bool, source: str,
+                 progress: bool) -> None:
+    """Quality figures of every budgeted config on one benchmark (:mod:`vat.eval.quality`): ``quality`` in its
+    metrics and in each ``per_prompt`` entry (the counts, summed over turns), pooled counts in ``pooled_quality``."""
+    from tqdm.auto import tqdm
+
+    budgeted = [(i, c) for i, c in enumerate(configs) if c.budget is not None and i in bench_runs]
+    window = {i: 1 + _drafted_per_round(c.draft, steps, tree_spec) for i, c in budgeted}  # the verification block
+    keys = sorted({(c.budget, window[i]) for i, c in budgeted})
+    # KL on the target's own text: one natural + one budgeted forward per (B, window), per prompt turn
+    kl: list[list[dict]] = []
+    for ref in tqdm(reference, desc=f"{bench} | KL to natural", disable=not progress, leave=False):
+        kl.append([response_kl(target, p, g.token_ids, keys, policy) for p, g in zip(ref.prompt_ids, ref.turns)])
+    for i, config in budgeted:
+        key = (config.budget, window[i])
+        total = empty_counts()
+        entries = per_prompt[config.draft.label][config.budget_label][bench]
+        for run, ref, ref_kl, entry in zip(bench_runs[i], reference, kl, entries):
+            counts = empty_counts()
+            for turn, gen in enumerate(run.turns):
+                if turn >= len(ref.turns):
+                    break
+                agree = sequence_agreement(gen.token_ids, ref.turns[turn].token_ids)
+                kl_sum, kl_count = ref_kl[turn][key]
+                add_counts(counts, {**agree, "turns": 1, "kl_sum": kl_sum, "kl_count": kl_count})
+            entry["quality"] = counts
+            add_counts(total, counts)
+        results[config.draft.label][config.budget_label][bench]["quality"] = summarize_quality(total, greedy, source)
+        add_counts(pooled_quality.setdefault((config.draft.label, config.budget_label), empty_counts()), total)
 
 
 def _drafted_per_round(d: DraftEntry, steps: int, tree_spec: TreeSpec | None) -> int:

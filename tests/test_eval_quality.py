@@ -1,0 +1,111 @@
+"""Quality under an expert budget (DESIGN §7): the metrics on hand-computed cases, the KL equal to `vat profile`'s,
+and `vat eval` on the quick tiny target writing them for every budgeted row."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from vat.eval.quality import add_counts, empty_counts, response_kl, sequence_agreement, summarize_quality
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_agreement_and_first_divergence_by_hand():
+    assert sequence_agreement([1, 2, 3, 4], [1, 2, 5, 4]) == {"matches": 3, "compared": 4, "first_divergence": 2,
+                                                               "identical": 0}
+    # a prefix: the missing tail counts as disagreement, the divergence is where the shorter one ends
+    assert sequence_agreement([7, 8], [7, 8, 9]) == {"matches": 2, "compared": 3, "first_divergence": 2,
+                                                     "identical": 0}
+    assert sequence_agreement([5, 6, 7], [5, 6, 7]) == {"matches": 3, "compared": 3, "first_divergence": 3,
+                                                        "identical": 1}
+    assert sequence_agreement([9], [1, 9]) == {"matches": 0, "compared": 2, "first_divergence": 0, "identical": 0}
+    # pooled over turns: Σ matches / Σ compared (3+2+3+0) / (4+3+3+2), first divergence (2+2+3+0) / 4
+    total = empty_counts()
+    for out, ref in (([1, 2, 3, 4], [1, 2, 5, 4]), ([7, 8], [7, 8, 9]), ([5, 6, 7], [5, 6, 7]), ([9], [1, 9])):
+        add_counts(total, {**sequence_agreement(out, ref), "turns": 1, "kl_sum": 0.5, "kl_count": 2})
+    q = summarize_quality(total, greedy=True, reference="x")
+    assert q["agreement"] == pytest.approx(8 / 12) and q["first_divergence"] == pytest.approx(7 / 4)
+    assert q["identical_turns"] == 0.25 and q["kl_to_natural"] == pytest.approx(2.0 / 8) and q["turns"] == 4
+    sampled = summarize_quality(total, greedy=False)
+    assert sampled["agreement"] is None and sampled["first_divergence"] is None
+    assert sampled["kl_to_natural"] == pytest.approx(0.25)  # the KL needs no greedy output
+
+
+@pytest.fixture(scope="module")
+def quick():
+    from vat.paths import resolve_target_path
+    from vat.target import load_target
+
+    path = resolve_target_path("tiny-quick")
+    return path, load_target(path, dtype="float32", device="cpu", experts_impl="eager")
+
+
+def test_response_kl_is_the_profile_kl(quick):
+    """With no prompt the response KL is `vat profile`'s figure over the same windows; a prompt prefilled naturally
+    leaves the KL of the positions after it and a budget of E experts gives exactly 0."""
+    from vat.profile import profile_target
+
+    _, target = quick
+    ids = torch.randint(10, target.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    prof = profile_target(target, [ids], window=5, budget=2, progress=False)
+    got = response_kl(target, [], ids, [(2, 5), (target.num_experts, 5)], "substitute")
+    kl_sum, n = got[(2, 5)]
+    assert n == 40 and kl_sum / n == pytest.approx(prof["kl_to_unbudgeted"], rel=1e-5) and kl_sum > 0
+    assert got[(target.num_experts, 5)] == (0.0, 40)
+    # a natural prompt in front: its positions are not counted and not budgeted
+    prompt, resp = ids[:25], ids[25:]
+    kl_sum2, n2 = response_kl(target, prompt, resp, [(2, 5)], "substitute")[(2, 5)]
+    assert n2 == 15 and kl_sum2 > 0
+
+
+def test_eval_writes_quality_for_every_budgeted_row(quick, spec_bench_file, tmp_path):
+    """The quick tiny target, the n-gram draft (nothing to train) at budgets none and 2: the natural reference is the
+    AR pass; agreement and divergence recomputed from generations.jsonl; report.md shows the columns. Without the AR
+    pass and without `none`, one extra natural greedy pass gives the same reference."""
+    from vat.eval.run import run_eval
+
+    path, target = quick
+    out = str(tmp_path / "q")
+    ev = run_eval(target=target, drafts=["ngram"], benchmarks=[spec_bench_file], limit=2, max_new_tokens=12,
+                  steps=3, budgets="none,2", output=out, progress=False, plots=False, tokenizer=path)
+    bench = ev["benchmarks"][0]
+    assert "lossless" in ev["quality_reference"][bench]["source"]
+    q = ev["results"]["ngram"]["2"][bench]["quality"]
+    assert "quality" not in ev["results"]["ngram"]["none"][bench] and "quality" not in ev["results"]["none"]["none"][bench]
+    with open(os.path.join(out, "generations.jsonl")) as f:
+        rows = {(r["question_id"], r["draft"], r["budget"]): r["token_ids"] for r in map(json.loads, f)}
+    matches = compared = first = turns = 0
+    for (qid, draft, budget), tok in rows.items():
+        if (draft, budget) != ("ngram", "2"):
+            continue
+        for out_ids, ref_ids in zip(tok, rows[(qid, "none", "none")]):
+            n = min(len(out_ids), len(ref_ids))
+            same = [a == b for a, b in zip(out_ids[:n], ref_ids[:n])]
+            matches += sum(same)
+            compared += max(len(out_ids), len(ref_ids))
+            first += next((i for i, s in enumerate(same) if not s), n)
+            turns += 1
+    assert q["agreement"] == pytest.approx(matches / compared) and q["first_divergence"] == pytest.approx(first / turns)
+    assert q["turns"] == turns and q["kl_tokens"] > 0 and q["kl_to_natural"] > 0 and q["agreement"] < 1.0
+    per = ev["per_prompt"]["ngram"]["2"][bench]
+    assert sum(p["quality"]["matches"] for p in per) == matches
+    assert ev["pooled"]["ngram"]["2"]["quality"]["agreement"] == pytest.approx(q["agreement"])
+    report = open(os.path.join(out, "report.md")).read()
+    assert "| agreement | 1st divergence | KL to natural |" in report and f"{100 * q['agreement']:.1f} %" in report
+
+    again = run_eval(target=target, drafts=["ngram"], benchmarks=[spec_bench_file], limit=2, max_new_tokens=12,
+                     steps=3, budgets="2", progress=False, plots=False, tokenizer=path, autoregressive=False)
+    assert "extra AR pass" in again["quality_reference"][bench]["source"]
+    q2 = again["results"]["ngram"]["2"][bench]["quality"]
+    for key in ("agreement", "first_divergence", "kl_to_natural"):
+        assert q2[key] == pytest.approx(q[key], rel=1e-9), key

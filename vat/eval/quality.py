@@ -1,0 +1,112 @@
+"""Output quality under an expert budget (DESIGN §7): a budgeted target is another model.
+
+For every budgeted run of ``vat eval`` and every prompt turn, against the natural (unbudgeted) greedy decode of the
+same prompt:
+
+- ``agreement``: per-token agreement of the budgeted output with the natural greedy output, position by position,
+  over the longer of the two (a length mismatch counts as disagreement); pooled as Σ matches / Σ compared.
+- ``first_divergence``: tokens until the first position where the two differ (the whole output when identical;
+  the shorter length when one is a prefix of the other); mean over turns.
+- ``kl_to_natural``: KL(budgeted ‖ natural) of the next-token distribution on the target's own text (the natural
+  greedy output after its prompt), the figure ``vat profile`` measures (:func:`vat.profile.kl_divergence`), with the
+  prompt prefilled unbudgeted and the response tiled into windows of the draft's verification block from its first
+  position, as served; mean over the response positions (Σ KL / Σ positions).
+
+Agreement and first divergence compare greedy outputs: at temperature > 0 the budgeted output is sampled and they are
+None; the KL needs no sampling and is always given. Every figure is a ratio of global sums, so pooling is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+COUNT_KEYS = ("matches", "compared", "first_divergence", "turns", "identical", "kl_sum", "kl_count")
+
+
+def sequence_agreement(output: Sequence[int], reference: Sequence[int]) -> dict[str, int]:
+    """Position-by-position agreement of one generated sequence with the natural one.
+
+    Args:
+        output: the budgeted run's generated token ids.
+        reference: the natural greedy decode's token ids for the same prompt turn.
+
+    Returns:
+        ``matches`` (positions where both have the same token), ``compared`` (max of the two lengths),
+        ``first_divergence`` (index of the first differing position; min length if one is a prefix of the other,
+        the length if identical) and ``identical`` (0/1).
+    """
+    n = min(len(output), len(reference))
+    same = [a == b for a, b in zip(output[:n], reference[:n])]
+    first = next((i for i, s in enumerate(same) if not s), n)
+    identical = int(list(output) == list(reference))
+    return {"matches": sum(same), "compared": max(len(output), len(reference)), "first_divergence": first,
+            "identical": identical}
+
+
+def empty_counts() -> dict[str, float]:
+    return {key: 0.0 for key in COUNT_KEYS}
+
+
+def add_counts(into: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    for key in COUNT_KEYS:
+        into[key] = into.get(key, 0.0) + float(other.get(key, 0.0))
+    return into
+
+
+def summarize_quality(counts: dict[str, float], greedy: bool, reference: str | None = None) -> dict:
+    """The eval.json ``quality`` entry from summed counts.
+
+    Returns:
+        ``agreement``, ``first_divergence`` (mean tokens until the first divergence per turn), ``identical_turns``
+        (share of turns identical to the natural output), ``kl_to_natural`` (nats per response token), the counts
+        behind them and ``reference`` (where the natural output came from).
+    """
+    turns = counts["turns"]
+    return {
+        "agreement": counts["matches"] / counts["compared"] if greedy and counts["compared"] else None,
+        "first_divergence": counts["first_divergence"] / turns if greedy and turns else None,
+        "identical_turns": counts["identical"] / turns if greedy and turns else None,
+        "kl_to_natural": counts["kl_sum"] / counts["kl_count"] if counts["kl_count"] else None,
+        "compared_tokens": int(counts["compared"]),
+        "kl_tokens": int(counts["kl_count"]),
+        "turns": int(turns),
+        "reference": reference,
+    }
+
+
+@torch.no_grad()
+def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int], budgets: Sequence[tuple[int, int | None]],
+                policy: str) -> dict[tuple[int, int | None], tuple[float, int]]:
+    """KL(budgeted ‖ natural) of the next-token distribution over the response positions of the target's own text.
+
+    One natural forward over ``prompt + response`` and one budgeted forward per ``(B, window)``: positions before the
+    response are not budgeted (the prompt's prefill, as served); the response is tiled into windows of ``window``
+    positions from its first position (None = the whole response is one window).
+
+    Args:
+        target: a :class:`~vat.target.FrozenTarget`.
+        prompt_ids: the rendered prompt of the natural conversation's turn.
+        response_ids: the natural greedy output of that turn.
+        budgets: ``(B, window)`` pairs.
+        policy: budget policy.
+
+    Returns:
+        ``{(B, window): (Σ KL over response positions, number of positions)}``.
+    """
+    from vat.profile import kl_divergence
+    from vat.target import BudgetSpec
+
+    start = len(prompt_ids)
+    n = len(response_ids)
+    if n == 0 or not budgets:
+        return {key: (0.0, 0) for key in budgets}
+    input_ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=target.device)  # (1, P + n)
+    natural = target.forward(input_ids, output_aux=False, capture_routing=False).logits[0, start:]  # (n, V)
+    out = {}
+    for B, window in budgets:
+        spec = BudgetSpec(B=B, policy=policy, window=window, offset=start, start_position=start)
+        budgeted = target.forward(input_ids, budget=spec, output_aux=False, capture_routing=False).logits[0, start:]
+        out[(B, window)] = (float(kl_divergence(budgeted, natural).double().sum()), n)  # (n,) summed
+    return out
