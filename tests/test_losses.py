@@ -654,3 +654,44 @@ def test_logged_objective_takes_the_union_term_unscaled():
     assert mb["objective_sum"].item() == pytest.approx(base.item(), rel=1e-6) and "union_loss_sum" not in mb
     out = finalize_metrics({k: v for k, v in m.items()})
     assert out["objective"] == pytest.approx(base.item() + lam * union, rel=1e-6) and out["union_scale"] == scale
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_compact_affinity_table_equals_the_dense_one_on_the_tiny_target(stride):
+    """The quick tiny target's routing over a few batches of token ids, folded into the dense fp32 table and the
+    compact one (uint16 rows, fp16 table, every `stride`-th MoE layer): the tables agree to fp16 / fixed-point
+    rounding, the marginals exactly, and the compact state takes under half the dense bytes."""
+    from vat.paths import resolve_target_path
+    from vat.target import load_target
+
+    target = load_target(resolve_target_path("tiny-quick"), dtype="float32", device="cpu", experts_impl="eager")
+    L, E, k = len(target.moe_layer_ids), target.num_experts, target.top_k
+    Vd = 300
+    t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    t2d[:Vd] = torch.arange(Vd)  # the draft vocab: the first Vd target ids
+    dense = OnlineAffinity(Vd, L, E, k, ema=0.9)
+    compact = OnlineAffinity(Vd, L, E, k, ema=0.9, storage="uint16", layer_stride=stride)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        ids = torch.randint(0, 2 * Vd, (2, 48), generator=gen)  # (B, T): some tokens outside the draft vocab
+        valid = torch.ones(2, 48, dtype=torch.bool)
+        valid[1, 40:] = False
+        topk = target.forward(ids, output_aux=False).topk_ids  # (L', B, T, k)
+        for table in (dense, compact):
+            table.fold(*table.select(t2d[ids], topk, valid))
+    want = dense.table()[:, ::stride]  # (Vd, L'', E)
+    got = compact.table()
+    assert got.dtype == torch.float16 and got.shape == want.shape == (Vd, len(range(0, L, stride)), E)
+    torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=0)
+    torch.testing.assert_close(compact.marginal(), dense.marginal()[::stride], atol=1e-6, rtol=1e-6)
+    seen = dense.token_counts > 0
+    assert 0 < int(seen.sum()) < Vd  # seen and unseen rows both compared
+    torch.testing.assert_close(compact.token_counts, dense.token_counts, atol=1e-5, rtol=1e-6)
+    nbytes = lambda m: sum(b.numel() * b.element_size() for b in m.buffers())  # noqa: E731
+    assert nbytes(compact) < 0.51 * nbytes(dense) / stride + 4 * Vd + 64
+    # the union term reads the fp16 table as it reads the fp32 one
+    logits = torch.randn(3, 2, Vd, generator=gen)
+    a_c = expected_expert_use(logits, got, 8, is_logits=True)
+    a_d = expected_expert_use(logits, want, 8, is_logits=True)
+    assert a_c.dtype == torch.float32
+    torch.testing.assert_close(a_c, a_d, atol=1e-3, rtol=0)

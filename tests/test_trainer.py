@@ -254,3 +254,18 @@ def test_budgeted_training_forward_prefills_the_prompt_unbudgeted(workspace, tmp
     assert (served.window_groups[prompt] == -1).all() and (served.window_groups[response] >= 0).all()
     assert (served.logits[response] - natural.logits[response]).abs().max() > 1e-3  # the budget bites there
     assert (whole.logits[prompt] - natural.logits[prompt]).abs().max() > 1e-3  # and would on the prompt too
+
+
+def test_compact_strided_affinity_trains_with_the_union_penalty(workspace, tmp_path):
+    """loss.affinity_storage=uint16 with a layer stride: the union runs over the tracked layers, the saved table is
+    (draft vocab, tracked layers, E), and resuming restores the compact state."""
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "compact")
+    extra = ("method=vat", "loss.union_weight=0.1", "loss.affinity_storage=uint16", "loss.affinity_layer_stride=2",
+             "train.max_steps=3", "drafter.ttt_steps=3")
+    train_main(_cfg(workspace, out, *extra, "train.stop_after=2", "train.save_every=2"))
+    last = train_main(_cfg(workspace, out, *extra, "resume=auto"))
+    assert last["step"] == 3 and 0 < last["union_sim"] <= 8 and last["union_loss"] > 0
+    table = load_file(os.path.join(out, "final", "affinity.safetensors"))["affinity"]
+    assert table.shape == (256, 1, 8)  # 2 MoE layers, stride 2

@@ -80,6 +80,8 @@ class LossConfig:
     union_max_anchors: Optional[int] = 1024  # anchors sampled per step for the union term (memory N·K·L'·E); null = all
     affinity: Optional[str] = None  # precomputed affinity table (`vat prep affinity`); null = online EMA
     affinity_ema: float = 0.99
+    affinity_storage: str = "float32"  # online table: float32 (dense EMA counts) | uint16 (compact rows, fp16 table)
+    affinity_layer_stride: int = 1  # online table tracks MoE layers 0, s, 2s, ...: the union runs over those
     acceptance: str = "greedy"  # greedy | expected | sampled (simulated verification rule)
     imitation_norm: Optional[str] = None  # anchors (VAT paper: sum over slots, mean over anchors) | weight_sum (DFlash:
     # weighted mean over slots); null = from method

@@ -199,7 +199,7 @@ class _AffinityMix(torch.autograd.Function):
     def forward(ctx: Any, weights: Tensor, idx: Tensor, table: Tensor) -> Tensor:  # (M, m), (M, m), (V, L, E)
         out = weights.new_zeros(weights.shape[0], *table.shape[1:])  # (M, L, E)
         for j in range(weights.shape[1]):  # top-m candidates (<= 8), not positions
-            out.add_(weights[:, j, None, None] * table[idx[:, j]])
+            out.add_(weights[:, j, None, None] * table[idx[:, j]].float())  # a compact (fp16) table: rows in fp32
         ctx.save_for_backward(idx, table)
         return out
 
@@ -207,7 +207,7 @@ class _AffinityMix(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None]:
         idx, table = ctx.saved_tensors
         grad_w = torch.stack(
-            [(grad_out * table[idx[:, j]]).sum((-2, -1)) for j in range(idx.shape[1])], dim=-1
+            [(grad_out * table[idx[:, j]].float()).sum((-2, -1)) for j in range(idx.shape[1])], dim=-1
         )  # (M, m)
         return grad_w, None, None
 
@@ -234,7 +234,8 @@ def expected_expert_use(q_draft: Tensor, affinity: Tensor, top_m: int = 8, *, is
         w = vals.softmax(-1)  # (M, m)
     else:
         w = vals / vals.sum(-1, keepdim=True).clamp_min(1e-30)  # (M, m)
-    a = _AffinityMix.apply(w, idx, affinity.detach().float())  # (M, L', E)
+    table = affinity.detach() if affinity.dtype in (torch.float16, torch.bfloat16) else affinity.detach().float()
+    a = _AffinityMix.apply(w, idx, table)  # (M, L', E) fp32
     return a.reshape(*lead, *affinity.shape[1:])
 
 

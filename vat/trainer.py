@@ -314,7 +314,8 @@ class Trainer:
         else:
             self.affinity = OnlineAffinity(
                 self.draft_config.draft_vocab_size, len(target.moe_layer_ids), target.num_experts, target.top_k,
-                ema=cfg.loss.affinity_ema,
+                ema=cfg.loss.affinity_ema, storage=cfg.loss.affinity_storage,
+                layer_stride=int(cfg.loss.affinity_layer_stride),
             )
         self.affinity = self.affinity.to(self.device)
         self.budget = None
@@ -427,7 +428,8 @@ class Trainer:
         vh_logits = slots.vh_logits  # (B, A, K) or None
         loss, metrics = vat_objective(
             slots.logits, slots.imitation, valid, self.switches, vh_logits=vh_logits,
-            affinity=self.affinity.table(), anchor_routing=slots.anchor_routing, verification=verification,
+            affinity=self.affinity.table(), anchor_routing=self._tracked_layers(slots.anchor_routing),
+            verification=verification,
             union_anchors=self._union_anchors(verification.anchor_valid),
         )
         if vh_logits is not None:  # kept for an exact AUC over the logging window
@@ -439,6 +441,13 @@ class Trainer:
         metrics.update(metrics_extra)
         metrics["tokens"] = attention.sum().float()
         return loss, metrics
+
+    def _tracked_layers(self, anchor_routing: torch.Tensor) -> torch.Tensor:
+        """``(..., L', E)`` -> the affinity table's layers (all, or every s-th with ``loss.affinity_layer_stride``)."""
+        index = self.affinity.layer_index
+        if len(index) == anchor_routing.shape[-2]:
+            return anchor_routing
+        return anchor_routing[..., index, :]  # (..., L'', E)
 
     def _step_scheduler(self) -> None:
         """One scheduler step per optimizer step that ran (not per micro-batch, process or skipped fp16 step)."""
