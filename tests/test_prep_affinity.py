@@ -56,9 +56,13 @@ def test_counts_match_brute_force():
             for layer in range(L):
                 for e in topk[layer, b, t]:
                     counts[ids[b, t], layer, e] += 1
-    assert torch.equal(stats.counts, counts) and torch.equal(stats.token_counts, token_counts)
+    assert stats.counts.dtype == torch.int32  # half the bytes of int64; exact below 2^31 counted tokens
+    assert torch.equal(stats.counts.long(), counts) and torch.equal(stats.token_counts, token_counts)
     assert stats.total == int(valid.sum())
     assert torch.equal(stats.marginal_counts, counts.sum(0))
+    big = routing_counts(ids, topk, valid, V, E, into=type(stats)(stats.counts.clone(), stats.token_counts.clone(),
+                                                                  stats.marginal_counts.clone(), 2**31 - 2))
+    assert big.counts.dtype == torch.int64 and torch.equal(big.counts, 2 * counts)  # widened before it could overflow
 
 
 @pytest.mark.parametrize("alpha", [1.0, 4.0])
