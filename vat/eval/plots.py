@@ -85,13 +85,20 @@ def plot_accept_by_position(result: dict, path: str) -> str:
     return path
 
 
+def _quality_note(q: dict) -> str:
+    """`` agree 97% KL 0.012``: the quality of a budgeted point (agreement is None when sampling)."""
+    agree = "" if q.get("agreement") is None else f" agree {100 * q['agreement']:.0f}%"
+    kl = "" if q.get("kl_to_natural") is None else f" KL {q['kl_to_natural']:.3g}"
+    return agree + kl
+
+
 def plot_union_vs_tau(result: dict, path: str) -> str:
     """Pareto scatter: mean experts per MoE layer per verification round (x) vs τ (y), one line per draft through
     its budgets; the autoregressive baseline as a reference point."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for draft, per_budget in result["pooled"].items():
-        points = [(m["union_per_round"]["mean"], m["tau"], b) for b, m in per_budget.items()
+        points = [(m["union_per_round"]["mean"], m["tau"], b, m.get("quality")) for b, m in per_budget.items()
                   if m["union_per_round"]["mean"] is not None and m["tau"] is not None]
         if not points:
             continue
@@ -101,8 +108,9 @@ def plot_union_vs_tau(result: dict, path: str) -> str:
             continue
         points.sort(key=lambda p: p[0])
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=draft)
-        for x, y, b in points:
-            ax.annotate(f"B={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for x, y, b, q in points:  # a budgeted τ is never shown without its quality
+            note = f"B={b}" + ("" if not q else _quality_note(q))
+            ax.annotate(note, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("expert union (experts per MoE layer per verification round)")
     ax.set_ylabel("τ (tokens committed per verification round)")
     ax.set_title("Expert union vs acceptance length across budgets")
