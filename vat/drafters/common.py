@@ -11,6 +11,10 @@ the draft's numerics are fixed by this file and match what SGLang / vLLM run at 
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,3 +107,46 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """
     groups = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask)
+
+
+def check_config_keys(cls: type, data: dict[str, Any]) -> None:
+    """One :class:`VatError` line for a key of ``data`` that is not a field of the dataclass ``cls``."""
+    from vat.errors import VatError
+
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise VatError(f"unknown {cls.__name__} key {key!r}{hint}")
+
+
+def draft_dims_for_target(target_config: Any) -> dict[str, Any]:
+    """The draft-layer fields every drafter sizes from a transformers target config (dims, heads, RoPE, vocab).
+
+    The draft MLP is dense: the target's ``intermediate_size`` when it is a dense width (>= 2 * hidden, as in
+    Qwen-MoE / DeepSeek configs), otherwise (per-expert widths such as OLMoE's) ``4 * hidden_size``.
+    """
+    tc = getattr(target_config, "text_config", None) or target_config
+    hidden = tc.hidden_size
+    inter = getattr(tc, "intermediate_size", None) or 4 * hidden
+    if inter < 2 * hidden:
+        inter = 4 * hidden
+    rope = getattr(tc, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = theta or getattr(tc, "rope_theta", None) or 10000.0
+    heads = tc.num_attention_heads
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or hidden // heads,
+        target_hidden_size=hidden,
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
+        vocab_size=tc.vocab_size,
+        num_target_layers=tc.num_hidden_layers,
+        target_path=getattr(tc, "_name_or_path", None) or None,
+    )

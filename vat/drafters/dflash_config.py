@@ -12,10 +12,10 @@ straight copy (:mod:`vat.export.dflash`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
 from typing import Any
 
+from vat.drafters.common import check_config_keys, draft_dims_for_target
 from vat.errors import VatError
 
 MASK_TOKEN = "<|MASK|>"  # the token DFlash adds to a tokenizer that has none (Qwen3: id 151669)
@@ -110,12 +110,7 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DFlashConfig:
         """Build from :meth:`to_dict` output; an unknown key raises :class:`VatError` naming the closest field."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in names:
-                close = difflib.get_close_matches(key, names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise VatError(f"unknown DFlashConfig key {key!r}{hint}")
+        check_config_keys(cls, data)
         return cls(**data)
 
     @classmethod
@@ -130,28 +125,7 @@ class DFlashConfig:
             **overrides: any :class:`DFlashConfig` field, e.g. ``num_hidden_layers=5``, ``mask_token_id=151669``.
         """
         tc = getattr(target_config, "text_config", None) or target_config
-        hidden = tc.hidden_size
-        inter = getattr(tc, "intermediate_size", None) or 4 * hidden
-        if inter < 2 * hidden:
-            inter = 4 * hidden
-        rope = getattr(tc, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-        theta = theta or getattr(tc, "rope_theta", None) or 10000.0
-        heads = tc.num_attention_heads
-        values: dict[str, Any] = dict(
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or hidden // heads,
-            target_hidden_size=hidden,
-            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
-            vocab_size=tc.vocab_size,
-            num_target_layers=tc.num_hidden_layers,
-            target_path=getattr(tc, "_name_or_path", None) or None,
-        )
+        values: dict[str, Any] = draft_dims_for_target(tc)
         if getattr(tc, "mask_token_id", None) is not None:
             values["mask_token_id"] = int(tc.mask_token_id)
         values.update(overrides)

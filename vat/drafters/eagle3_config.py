@@ -4,10 +4,10 @@ draft fits a target (DESIGN §4.1, §10). Split from :mod:`vat.drafters.eagle3`,
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
 from typing import Any
 
+from vat.drafters.common import check_config_keys, draft_dims_for_target
 from vat.errors import VatError
 from vat.target.conventions import default_aux_layer_ids
 
@@ -92,12 +92,7 @@ class Eagle3Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Eagle3Config:
         """Build from :meth:`to_dict` output; an unknown key raises :class:`VatError` naming the closest field."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in names:
-                close = difflib.get_close_matches(key, names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise VatError(f"unknown Eagle3Config key {key!r}{hint}")
+        check_config_keys(cls, data)
         if "vh_input" not in data:  # written before the key existed: the head read the pre-norm residual
             data = {**data, "vh_input": "prenorm"}
         return cls(**data)
@@ -114,28 +109,9 @@ class Eagle3Config:
             **overrides: any :class:`Eagle3Config` field, e.g. ``draft_vocab_size=32000``.
         """
         tc = getattr(target_config, "text_config", None) or target_config
-        hidden = tc.hidden_size
-        inter = getattr(tc, "intermediate_size", None) or 4 * hidden
-        if inter < 2 * hidden:
-            inter = 4 * hidden
-        rope = getattr(tc, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-        theta = theta or getattr(tc, "rope_theta", None) or 10000.0
-        heads = tc.num_attention_heads
         values: dict[str, Any] = dict(
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or hidden // heads,
-            target_hidden_size=hidden,
-            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
-            vocab_size=tc.vocab_size,
+            **draft_dims_for_target(tc),
             draft_vocab_size=min(32000, tc.vocab_size),
-            num_target_layers=tc.num_hidden_layers,
-            target_path=getattr(tc, "_name_or_path", None) or None,
             pad_token_id=getattr(tc, "pad_token_id", None) or 0,
         )
         values.update(overrides)
