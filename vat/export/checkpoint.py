@@ -506,6 +506,24 @@ def load_draft(
     cfg = read_draft_config(directory)
     state, shipped_embedding = normalize_state(read_weights(directory), cfg, directory)
 
+    add_verification_head(state, cfg, directory)
+    model = Eagle3Drafter(cfg)
+    load_strict(model, state, directory)
+    model.set_vocab_mapping(model.d2t, model.t2d)  # validates the loaded mapping
+    model.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
+    if embed_weight is not None:
+        if shipped_embedding is not None:
+            check_shipped_embedding(shipped_embedding, embed_weight, directory)
+        model.set_embedding(embed_weight)
+    return model.eval(), cfg
+
+
+def add_verification_head(state: dict[str, torch.Tensor], cfg: Any, directory: str) -> None:
+    """Add ``verification_head.safetensors`` of a draft directory to ``state`` (and mark ``cfg`` as having a head).
+
+    Raises:
+        VatError: the config names a head whose file is missing.
+    """
     vh_path = os.path.join(directory, VH_FILE)
     if os.path.isfile(vh_path):
         from safetensors.torch import load_file
@@ -515,16 +533,11 @@ def load_draft(
     elif cfg.verification_head:
         raise VatError(f"{directory}: config has a verification head but {VH_FILE} is missing")
 
-    model = Eagle3Drafter(cfg)
+
+def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], directory: str) -> None:
+    """``model.load_state_dict(state, strict=True)``; a mismatch is one :class:`VatError` line naming ``directory``."""
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
         first = str(err).replace("\n", " ").replace("\t", "")
         raise VatError(f"weights in {directory} do not fit its config: {first[:400]}") from None
-    model.set_vocab_mapping(model.d2t, model.t2d)  # validates the loaded mapping
-    model.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
-    if embed_weight is not None:
-        if shipped_embedding is not None:
-            check_shipped_embedding(shipped_embedding, embed_weight, directory)
-        model.set_embedding(embed_weight)
-    return model.eval(), cfg

@@ -24,8 +24,10 @@ from vat.export.checkpoint import (
     VH_FILE,
     WEIGHTS_FILE,
     DraftFormat,
+    add_verification_head,
     draft_state,
     dtype_name,
+    load_strict,
     read_weights,
     register_format,
     register_writer,
@@ -187,20 +189,9 @@ def load_dflash(
         if name.startswith(("embed_tokens.", "lm_head.", "rotary_emb.")):
             continue  # the target's tables (some exports ship them) and RoPE buffers are not the draft's weights
         state[name] = tensor
-    vh_path = os.path.join(directory, VH_FILE)
-    if os.path.isfile(vh_path):
-        from safetensors.torch import load_file
-
-        state.update(load_file(vh_path))
-        cfg.verification_head = True
-    elif cfg.verification_head:
-        raise VatError(f"{directory}: config names a verification head but {VH_FILE} is missing")
+    add_verification_head(state, cfg, directory)
     model = DFlashDrafter(cfg)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        first = str(err).replace("\n", " ").replace("\t", "")
-        raise VatError(f"weights in {directory} do not fit its config: {first[:400]}") from None
+    load_strict(model, state, directory)
     model.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
     if embed_weight is not None:
         model.set_embedding(embed_weight)
