@@ -21,7 +21,10 @@ def test_pace_ignores_cached_stages_and_scales_by_real_ones(capsys):
 
 
 def test_plans_are_the_same_pipeline_smaller():
-    quick, full = plan_for(True), plan_for(False)
-    assert quick.drafts == full.drafts and quick.budgets == full.budgets == [None, 6, 4]
+    quick, full, full_dflash = plan_for(True), plan_for(False), plan_for(False, dflash=True)
+    assert quick.drafts == full_dflash.drafts and quick.budgets == full.budgets == [None, 6, 4]
+    assert set(full.drafts) == {"eagle3", "eagle3+vat"}  # the full demo adds DFlash + VAT only when asked (--dflash)
+    assert set(quick.drafts) == {"eagle3", "eagle3+vat", "dflash+vat"}
+    assert full_dflash.seconds["eval"] > full.seconds["eval"]
     assert quick.train_steps < full.train_steps and quick.eval_limit < full.eval_limit
     assert set(quick.seconds) == set(full.seconds) == {"target", "data", "train", "eval"}

@@ -1,7 +1,7 @@
 """The README's main job and the CI smoke runs, for real, on the embedded tiny target (quick build).
 
-``vat demo --quick`` builds (or reuses) the quick tiny target and its own answers to ShareGPT prompts, trains EAGLE-3
-and EAGLE-3 + VAT, evaluates them with real speculative decoding beside n-gram lookup and writes the report. Then the recipe smoke run
+``vat demo --quick`` builds (or reuses) the quick tiny target and its own answers to ShareGPT prompts, trains EAGLE-3,
+EAGLE-3 + VAT and DFlash + VAT, evaluates them with real speculative decoding beside n-gram lookup and writes the report. Then the recipe smoke run
 (``train.max_steps=20``), ``vat eval`` on the trained draft, and ``vat export`` to both engines' layouts.
 """
 
@@ -26,17 +26,18 @@ def demo_dir(tmp_path_factory):
 
 def test_demo_quick_writes_report_tables_and_plots(demo_dir):
     report = (demo_dir / "report.md").read_text()
-    assert "| eagle3 |" in report and "| eagle3+vat |" in report
+    assert "| eagle3 |" in report and "| eagle3+vat |" in report and "| dflash+vat |" in report
     for heading in ("spec_bench", "humaneval"):
         assert f"### {heading}" in report
     for budget in ("| none |", "| 6 |", "| 4 |"):
         assert budget in report
-    assert "| benchmark | budget B | τ eagle3 | τ eagle3+vat |" in report
+    assert "| benchmark | budget B | τ eagle3 | τ eagle3+vat | τ dflash+vat |" in report
+    assert "DFlash blocks of 8 for `dflash+vat`" in report
     head = json.loads((demo_dir / "demo.json").read_text())["headline"]
     assert [(r["benchmark"], r["budget"]) for r in head] == [
         (b, B) for b in ("spec_bench", "humaneval") for B in ("none", "6", "4")]
     for row in head:
-        for draft in ("eagle3", "eagle3+vat"):
+        for draft in ("eagle3", "eagle3+vat", "dflash+vat"):
             assert row[draft]["tau"] >= 1.0 and row[draft]["expert_mib_per_token"] > 0
             if row["budget"] != "none":
                 assert row[draft]["union_per_round"] <= int(row["budget"])
@@ -45,11 +46,13 @@ def test_demo_quick_writes_report_tables_and_plots(demo_dir):
     for png in pngs:
         assert (demo_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ev = json.loads((demo_dir / "eval" / "eval.json").read_text())
-    assert set(ev["results"]) == {"eagle3", "eagle3+vat", "ngram", "none"}  # the demo's names label every output
+    assert set(ev["results"]) == {"eagle3", "eagle3+vat", "dflash+vat", "ngram", "none"}  # the demo's names
+    assert ev["drafts"]["dflash+vat"]["mode"] == "block" and ev["drafts"]["dflash+vat"]["block_size"] == 8
     # the headline's τ ratios: VAT over EAGLE-3 and each draft over n-gram lookup, with intervals around the point
     assert "τ eagle3+vat / eagle3 [95 % CI]" in report and "τ eagle3 / ngram [95 % CI]" in report
     for row in head:
-        assert set(row["ratios"]) == {"eagle3+vat/eagle3", "eagle3/ngram", "eagle3+vat/ngram"}
+        assert set(row["ratios"]) == {"eagle3+vat/eagle3", "dflash+vat/eagle3", "eagle3/ngram", "eagle3+vat/ngram",
+                                      "dflash+vat/ngram"}
         for name, est in row["ratios"].items():
             assert est["low"] <= est["value"] <= est["high"], (row["benchmark"], row["budget"], name)
         taus = (row["eagle3+vat"]["tau"], row["eagle3"]["tau"])

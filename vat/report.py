@@ -109,7 +109,7 @@ def ratio_pairs(results: dict) -> list[tuple[str, str]]:
     """(method, reference) pairs the headline gives τ ratios for: each trained draft over the first (the baseline),
     and each trained draft over the training-free n-gram draft."""
     modes = {label: info.get("mode") for label, info in results.get("drafts", {}).items()}
-    trained = [label for label, mode in modes.items() if mode in ("chain", "tree")]
+    trained = [label for label, mode in modes.items() if mode in ("chain", "tree", "block")]
     pairs = [(label, trained[0]) for label in trained[1:]]
     pairs += [(label, ref) for ref, mode in modes.items() if mode == "ngram" for label in trained]
     return pairs
@@ -228,13 +228,15 @@ def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir:
             shutil.copy(os.path.join(eval_dir, name), os.path.join(out, name))
             pngs.append(name)
     info = results.get("target_info", {})
+    blocks = {label: d.get("block_size") for label, d in results.get("drafts", {}).items() if d.get("mode") == "block"}
+    with_blocks = "".join(f", DFlash blocks of {size} for `{label}`" for label, size in blocks.items())
     lines = [
-        f"# vat demo{' (quick)' if quick else ''}: EAGLE-3 vs EAGLE-3 + VAT (and n-gram lookup) on the embedded tiny MoE "
-        "target",
+        f"# vat demo{' (quick)' if quick else ''}: EAGLE-3 vs EAGLE-3 + VAT{' vs DFlash + VAT' if blocks else ''} "
+        "(and n-gram lookup) on the embedded tiny MoE target",
         "",
         f"Target: `{results.get('target')}` — OLMoE architecture, {info.get('num_experts')} experts, top-"
         f"{info.get('top_k')}, {len(info.get('moe_layer_ids', []))} MoE layers. Chain drafting K = "
-        f"{results.get('settings', {}).get('steps')}, greedy verification; budgets are per MoE layer per "
+        f"{results.get('settings', {}).get('steps')}{with_blocks}, greedy verification; budgets are per MoE layer per "
         "verification round (MoE-Spec, substitute policy). Wall time of the whole demo: "
         f"{wall_seconds / 60:.1f} min.",
         "",
