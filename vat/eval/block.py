@@ -67,8 +67,14 @@ def draft_block(
         below = (torch.sigmoid(out.vh_logits[0, 0].float()) < vh_threshold).nonzero()
         if below.numel():
             logits = logits[: int(below[0, 0])]  # (K', V)
+    vh = None
+    if out.vh_logits is not None:
+        vh = torch.sigmoid(out.vh_logits[0, 0].float())[: logits.shape[0]].tolist()  # (K',) per slot
     if state.temperature > 0:
         q = torch.softmax(logits / state.temperature, dim=-1)  # (K', V)
         tokens = torch.multinomial(q, 1, generator=generator).view(-1) if q.shape[0] else q.new_zeros(0).long()
-        return ChainDraft(tokens=tokens, q=q)
-    return ChainDraft(tokens=logits.argmax(dim=-1), q=None)
+        probs = q.gather(1, tokens[:, None]).view(-1).tolist()
+        return ChainDraft(tokens=tokens, q=q, probs=probs, vh=vh)
+    tokens = logits.argmax(dim=-1)  # (K',)
+    probs = torch.softmax(logits, dim=-1).gather(1, tokens[:, None]).view(-1).tolist()
+    return ChainDraft(tokens=tokens, q=None, probs=probs, vh=vh)

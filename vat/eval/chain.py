@@ -23,10 +23,14 @@ class ChainDraft:
     Attributes:
         tokens: (K',) drafted tokens, target vocabulary (K' < K when the verification head stopped drafting).
         q: (K', V) the draft distributions they were drawn from (target vocabulary), or None when greedy.
+        probs: the draft's probability of each drafted token (K' floats; None when not recorded, e.g. n-gram).
+        vh: the verification head's probability at the hidden state that drafted each token (None without a head).
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None
+    probs: list[float] | None = None
+    vh: list[float] | None = None
 
 
 def _vh_stops(vh_logit: float | None, threshold: float | None) -> bool:
@@ -61,16 +65,21 @@ def draft_chain(
     hidden, logits, vh = head.hidden, head.logits, head.vh_logit
     tokens: list[torch.Tensor] = []
     qs: list[torch.Tensor] = []
+    chosen: list[float] = []  # the draft's probability of each drafted token (EVICT's benefit)
+    vhs: list[float] = []
     for k in range(num_steps):
         if _vh_stops(vh, vh_threshold):
             break
         scaled = state.scaled_logits(logits)  # (V_d,)
+        probs = torch.softmax(scaled.float(), dim=-1)  # (V_d,)
         if state.temperature > 0:
-            probs = torch.softmax(scaled, dim=-1)
             draft_id = torch.multinomial(probs, 1, generator=generator)  # (1,)
             qs.append(state.target_probs(probs))  # (V,)
         else:
             draft_id = scaled.argmax().view(1)
+        chosen.append(float(probs[draft_id]))
+        if vh is not None:
+            vhs.append(1.0 / (1.0 + math.exp(-vh)))
         token = state.to_target_ids(draft_id)  # (1,)
         tokens.append(token)
         if k == num_steps - 1:
@@ -84,7 +93,7 @@ def draft_chain(
     q = torch.stack(qs) if qs else None
     if state.temperature > 0 and q is None:
         q = torch.zeros(0, state.vocab_size, device=device)
-    return ChainDraft(tokens=drafted, q=q)
+    return ChainDraft(tokens=drafted, q=q, probs=chosen, vh=vhs if len(vhs) == len(chosen) and vhs else None)
 
 
 @dataclass

@@ -58,12 +58,14 @@ class DraftTree:
         parents: parent node index per node, -1 = the root.
         depths: 1-based depth per node.
         scores: cumulative draft log-probability per node.
+        vh: verification-head probability at the hidden state that drafted each node (None without a head).
     """
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
+    vh: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -98,6 +100,7 @@ class _Node:
     score: float
     parent_hidden: torch.Tensor  # (H,) draft hidden that produced this node
     slot: int = -1  # draft-cache slot of the node's own entry, once expanded
+    vh: float | None = None  # verification-head probability at parent_hidden (None without a head)
 
 
 def _ancestor_slots(pool: list[_Node], v: int) -> list[int]:
@@ -111,15 +114,16 @@ def _ancestor_slots(pool: list[_Node], v: int) -> list[int]:
 
 def _add_children(
     pool: list[_Node], parent: int, logits: torch.Tensor, hidden: torch.Tensor, base: float, depth: int,
-    state: DraftState, top_k: int,
+    state: DraftState, top_k: int, vh: float | None = None,
 ) -> list[int]:
-    """Add the top-k children of ``parent`` (pool index or -1) from its draft logits (V_d,)."""
+    """Add the top-k children of ``parent`` (pool index or -1) from its draft logits (V_d,); ``vh`` = the head's
+    probability at ``hidden``."""
     logp = torch.log_softmax(state.scaled_logits(logits), dim=-1)  # (V_d,)
     values, draft_ids = logp.topk(min(top_k, logp.shape[-1]))
     tokens = state.to_target_ids(draft_ids)
     added = []
     for value, token in zip(values.tolist(), tokens.tolist()):
-        pool.append(_Node(token=token, parent=parent, depth=depth, score=base + value, parent_hidden=hidden))
+        pool.append(_Node(token=token, parent=parent, depth=depth, score=base + value, parent_hidden=hidden, vh=vh))
         added.append(len(pool) - 1)
     return added
 
@@ -146,7 +150,8 @@ def build_tree(state: DraftState, head: DraftHead, spec: TreeSpec, vh_threshold:
     if _vh_prob(head.vh_logit) < threshold:
         return DraftTree()
     prefix = state.cache.length
-    frontier = _add_children(pool, -1, head.logits, head.hidden, 0.0, 1, state, spec.top_k)
+    root_vh = None if head.vh_logit is None else _vh_prob(head.vh_logit)
+    frontier = _add_children(pool, -1, head.logits, head.hidden, 0.0, 1, state, spec.top_k, root_vh)
     for depth in range(2, spec.depth + 1):
         if not frontier:
             break
@@ -177,7 +182,8 @@ def _expand(
         vh = None if out.vh_logits is None else float(out.vh_logits[0, i])
         if _vh_prob(vh) < threshold:
             continue
-        candidates += _add_children(pool, v, out.logits[0, i], out.hidden[0, i], pool[v].score, depth, state, top_k)
+        candidates += _add_children(pool, v, out.logits[0, i], out.hidden[0, i], pool[v].score, depth, state, top_k,
+                                    None if vh is None else _vh_prob(vh))
     candidates.sort(key=lambda c: -pool[c].score)
     return candidates[:top_k]
 
@@ -194,6 +200,8 @@ def _select(pool: list[_Node], total: int) -> DraftTree:
         tree.parents.append(new_index[node.parent] if node.parent >= 0 else -1)
         tree.depths.append(node.depth)
         tree.scores.append(node.score)
+    if order and all(pool[i].vh is not None for i in order):
+        tree.vh = [pool[i].vh for i in order]
     return tree
 
 
