@@ -108,6 +108,8 @@ class SpeculativeEngine:
         policy: ``substitute`` or ``truncate``.
         vh_threshold: stop drafting where the verification head's acceptance probability falls below this (a DFlash
             block is truncated before that slot).
+        evict: an :class:`vat.eval.evict.Evict` policy: truncate each drafted chain, block or tree before
+            verification (lossless; None = verify everything drafted; n-gram chains are never truncated).
         max_new_tokens: generated tokens per sequence (the prefill's token included).
         eos_token_ids: tokens that end a sequence.
     """
@@ -123,6 +125,7 @@ class SpeculativeEngine:
         budget=None,
         policy: str = "substitute",
         vh_threshold: float | None = None,
+        evict=None,
         max_new_tokens: int = 256,
         eos_token_ids: Iterable[int] = (),
     ):
@@ -137,6 +140,7 @@ class SpeculativeEngine:
         self.temperature = float(temperature)
         self.budget = BudgetSpec(B=budget, policy=policy) if budget is not None else None
         self.vh_threshold = vh_threshold
+        self.evict = evict
         self.max_new_tokens = max_new_tokens
         self.eos = {int(t) for t in eos_token_ids}
         self._window = sliding_window_limit(target.config) if tree is not None else None
@@ -224,9 +228,13 @@ class SpeculativeEngine:
             return self._ar_round(cache, root, generator)
         if self.mode == "block":
             draft = draft_block(state, root, vh_threshold=self.vh_threshold, generator=generator)
+            if self.evict is not None:
+                draft = self.evict.chain(draft, cache_length(cache), "block")
             return self._chain_round(cache, draft, root, generator)
         if self.mode == "chain":
             draft = draft_chain(state, head, self.steps, vh_threshold=self.vh_threshold, generator=generator)
+            if self.evict is not None:
+                draft = self.evict.chain(draft, cache_length(cache), "chain")
             return self._chain_round(cache, draft, root, generator)
         if self.mode == "ngram":
             proposed = lookup.propose(self.steps)
@@ -273,6 +281,8 @@ class SpeculativeEngine:
         device = self.target.device
         n = cache_length(cache)
         tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold)
+        if self.evict is not None:
+            tree = self.evict.tree(tree, n, self.tree.top_k)
         block = torch.tensor([[root] + tree.tokens], device=device)  # (1, N + 1)
         if self._window is not None and n + block.shape[1] > self._window:
             raise VatError(

@@ -1,0 +1,86 @@
+"""The roofline cost model (vat/eval/cost.py) against hand computations."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import tiny_model
+
+from vat.errors import VatError
+from vat.eval.cost import (
+    ACCELERATORS,
+    Accelerator,
+    CostModel,
+    ModelShape,
+    draft_forwards,
+    forward_cost,
+    get_accelerator,
+    roofline_seconds,
+    target_shape,
+)
+from vat.eval.engine import Generation, RoundStats
+
+SHAPE = ModelShape(dense_params=1000, dense_matmul_params=1000, expert_params=[100, 200], top_k=2, kv_per_token=8,
+                   attn_flops_per_key=16)
+
+
+def test_forward_cost_is_the_hand_computation():
+    # T = 3 tokens over 5 cached positions, unions U = (3, 4), bf16 (2 bytes):
+    #   bytes = (dense 1000 + 3*100 + 4*200) * 2 + (5 + 3) keys * 8 elements * 2 = 2100*2 + 128 = 4328
+    #   FLOPs = 3 * (2*1000 + 2*k=2*(100 + 200)) + 3 tokens * 8 keys * 16 = 3 * 3200 + 384 = 9984
+    nbytes, flops = forward_cost(SHAPE, tokens=3, context=5, union=[3, 4], served_bytes=2)
+    assert nbytes == 4328 and flops == 9984
+    h200 = get_accelerator("H200")
+    assert h200.hbm_bytes_per_s == 4.8e12 and h200.bf16_flops_per_s == 989.5e12
+    # memory bound: 4328 / 4.8e12 = 9.0167e-10 s > 9984 / 989.5e12 = 1.009e-11 s
+    assert roofline_seconds(h200, nbytes, flops) == pytest.approx(4328 / 4.8e12)
+    # a made-up accelerator with 1 FLOP/s per byte/s of bandwidth: compute bound, 9984 s
+    slow = Accelerator("x", "x", 1.0, 1.0, "test")
+    assert roofline_seconds(slow, nbytes, flops) == 9984
+
+
+def test_generation_sums_draft_and_verify_rounds_and_models_ar_on_the_same_tokens():
+    acc = Accelerator("x", "x", 1.0, 1e30, "bandwidth only")  # seconds = bytes
+    model = CostModel(acc, SHAPE, served_bytes=1)
+    draft = ModelShape(dense_params=50, dense_matmul_params=50, expert_params=[], top_k=0, kv_per_token=1,
+                       attn_flops_per_key=0)
+    # prompt of 10; round 1 drafts 3 (chain depth 3), accepts 2 -> 3 tokens; round 2 drafts 3, accepts 0 -> 1 token
+    rounds = [RoundStats(drafted=3, depth=3, accepted=2, reached=3, committed=3, union=[5, 6]),
+              RoundStats(drafted=3, depth=3, accepted=0, reached=1, committed=1, union=[4, 4])]
+    gen = Generation(token_ids=list(range(5)), rounds=rounds, target_forwards=3, seconds=1.0, prompt_tokens=10)
+    out = model.generation(gen, "chain", draft)
+    # chain drafting runs 1 + (depth - 1) = 3 draft forwards of one position each: 50 + (ctx + 1) * 1 bytes each
+    draft1 = 3 * (50 + 11)  # context 10
+    verify1 = 1000 + 5 * 100 + 6 * 200 + (10 + 4) * 8  # 4 tokens over 10: 2700 + 112
+    draft2 = 3 * (50 + 14)  # context 10 + 3
+    verify2 = 1000 + 4 * 100 + 4 * 200 + (13 + 4) * 8  # 2200 + 136
+    assert out["modeled_draft_seconds"] == draft1 + draft2
+    assert out["modeled_seconds"] == draft1 + verify1 + draft2 + verify2
+    # AR: 4 steps (5 tokens, the first from the prefill), each 1 token with U = k = 2 per layer, at contexts 10..13
+    ar = sum(1000 + 2 * 100 + 2 * 200 + (c + 1) * 8 for c in range(10, 14))
+    assert out["modeled_ar_seconds"] == ar
+    assert draft_forwards("tree", 4, top_k=3) == [1, 3, 3, 3]
+    assert draft_forwards("block", 7) == [8] and draft_forwards("ngram", 5) == [] and draft_forwards("ar", 0) == []
+
+
+def test_target_shape_of_a_tiny_olmoe_is_counted_by_hand():
+    from vat.target import load_target
+
+    target = load_target(tiny_model("olmoe"), device="cpu")
+    shape = target_shape(target)
+    # per layer: q 64*64, k 32*64, v 32*64, o 64*64, q_norm 64, k_norm 32, router 8*64, two norms 2*64
+    layer = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 64 + 32 + 8 * 64 + 2 * 64
+    dense = 2 * layer + 64 + 128 * 64  # + final norm + untied LM head (the input embedding reads T rows only)
+    assert shape.dense_params == dense
+    assert shape.expert_params == [64 * 64 + 64 * 32] * 2  # one expert: gate_up (2f x d) + down (d x f), f = 32
+    assert shape.top_k == 2
+    assert shape.kv_per_token == 2 * 2 * 2 * 16  # K and V, 2 layers, 2 KV heads of 16
+    assert shape.attn_flops_per_key == 4 * 2 * 4 * 16  # QK and AV (2 FLOPs each), 2 layers, 4 heads of 16
+    # the expert bytes the eval counts (fp32 here) are the same experts
+    assert [e * 4 for e in shape.expert_params] == target.expert_bytes_per_layer()
+    target.close()
+
+
+def test_unknown_accelerator_lists_the_known_ones():
+    with pytest.raises(VatError, match="unknown cost model `b200`: known accelerators are h100, h200, a100, l40s"):
+        get_accelerator("b200")
+    assert set(ACCELERATORS) == {"h100", "h200", "a100", "l40s"}
