@@ -11,6 +11,13 @@ Pure tensor functions, applied by the router hook in :mod:`vat.target.routing`:
 Coverage: a token none of whose natural top-k experts is in S ("uncovered") would get no expert output at all under
 plain truncation; ``truncate`` reroutes such a token by substitution instead (MoE-Spec's coverage intent: every token
 is served by the budget set), and both policies count these tokens (``TargetOutput.n_uncovered``).
+
+Policy ``acceptmoe`` (AcceptMoE, algorithms.md §4.2; an eval-time verifier policy, not a training one) is the same
+hook with another selection: per window, commitment-weighted demand u_e = Σ_t α_t r_{t,e} 1[e ∈ K_t] with
+α_t = p̂_{d_t}^β · N_{d_t}^{-1/2} (:func:`commitment_weights`, from each token's depth in its window), the eligible set
+S = A ∪ top-n(R) (A = the root's natural top-k, R = the other experts ranked by u; n = ⌈exp(entropy of u over R)⌉
+self-sized, or fixed by an integer B = |S| for "AcceptMoE-fix"), then substitution inside S. MoE-Spec's selection is
+the special case α ≡ 1, demand over every expert's score, no anchor, |S| = B: both go through :func:`budget_sets`.
 """
 
 from __future__ import annotations
@@ -24,8 +31,49 @@ import torch
 from vat.errors import VatError
 from vat.target.families import FamilyAdapter
 
-POLICIES = ("substitute", "truncate")
+POLICIES = ("substitute", "truncate", "acceptmoe")
 SCOPES = ("sequence", "batch")
+AUTO = "auto"  # B of a self-sized policy (acceptmoe): the policy picks |S| per window and layer
+DEMANDS = ("natural", "score")
+DEFAULT_COMMITMENT_DECAY = 0.8  # p̂_d = 0.8^d when no offline estimate is given (EAGLE-3's own step-weight prior)
+SIZE_TOLERANCE = 1e-6  # ⌈exp(H) - tol⌉: a uniform demand over m experts gives exactly m despite rounding
+
+
+@dataclass
+class AcceptMoESpec:
+    """AcceptMoE's commitment weighting (algorithms.md §4.2), the selection of policy ``acceptmoe``.
+
+    Attributes:
+        commitment: p̂_d for draft depth d = 1, 2, ...: the offline-estimated probability that a node at depth d
+            ends on the accepted path (e.g. a draft's acceptance by position). Depth 0 (the root) is 1; depths past
+            the list reuse its last value. Empty = the prior ``0.8^d``.
+        beta: β of α = p̂^β · N^{-1/2} (the paper's 0.5).
+        anchor: always keep the root's natural top-k (the paper's A). False is for comparisons only.
+        demand: ``natural`` (u_e counts a token's score only for its own natural top-k: the paper) or ``score``
+            (every expert's score, MoE-Spec's sum). ``score`` is for comparisons only.
+    """
+
+    commitment: tuple[float, ...] = ()
+    beta: float = 0.5
+    anchor: bool = True
+    demand: str = "natural"
+
+    def __post_init__(self) -> None:
+        self.commitment = tuple(float(p) for p in self.commitment)
+        if any(not 0.0 <= p <= 1.0 for p in self.commitment):
+            raise VatError(f"commitment probabilities must lie in [0, 1], got {list(self.commitment)}")
+        if self.beta < 0:
+            raise VatError(f"acceptmoe beta must be >= 0, got {self.beta}")
+        if self.demand not in DEMANDS:
+            raise VatError(f"unknown acceptmoe demand `{self.demand}`: one of {', '.join(DEMANDS)}")
+
+    def p_hat(self, max_depth: int) -> torch.Tensor:
+        """(max_depth + 1,) float64 p̂_d for d = 0..max_depth (p̂_0 = 1)."""
+        depths = torch.arange(max_depth + 1, dtype=torch.float64)
+        if not self.commitment:
+            return DEFAULT_COMMITMENT_DECAY ** depths
+        table = torch.tensor((1.0,) + self.commitment, dtype=torch.float64)
+        return table[depths.long().clamp_max(len(table) - 1)]
 
 
 @dataclass
@@ -43,6 +91,8 @@ class BudgetSpec:
             offset form a first, shorter window).
         scope: ``sequence`` (each row has its own windows) or ``batch`` (all rows of the forward share them).
         start_position: positions before this are not budgeted (the prompt's prefill stays natural).
+        acceptmoe: the commitment weighting of policy ``acceptmoe`` (default :class:`AcceptMoESpec`); with that
+            policy B may be ``"auto"`` (self-sized S) or an int (|S| fixed: AcceptMoE-fix).
     """
 
     B: Any
@@ -51,17 +101,27 @@ class BudgetSpec:
     offset: int = 0
     scope: str = "sequence"
     start_position: int = 0
+    acceptmoe: AcceptMoESpec | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise VatError(f"unknown budget policy `{self.policy}`: one of {', '.join(POLICIES)}")
+        if self.policy == "acceptmoe" and self.acceptmoe is None:
+            self.acceptmoe = AcceptMoESpec()
+        if self.B == AUTO and self.policy != "acceptmoe":
+            raise VatError(f"budget `{AUTO}` (a self-sized expert set) needs policy acceptmoe, not `{self.policy}`")
         if self.scope not in SCOPES:
             raise VatError(f"unknown budget scope `{self.scope}`: one of {', '.join(SCOPES)}")
         if self.window is not None and self.window < 1:
             raise VatError(f"budget window must be >= 1, got {self.window}")
 
+    @property
+    def self_sized(self) -> bool:
+        """True when the policy sizes each window's expert set itself (acceptmoe with B ``"auto"``)."""
+        return self.B == AUTO
+
     def budget_for(self, layer_idx: int, moe_ordinal: int) -> int | None:
-        """B for one MoE layer (None = that layer is not budgeted)."""
+        """B for one MoE layer (None = that layer is not budgeted; not for a self-sized spec)."""
         if isinstance(self.B, Mapping):
             value = self.B.get(layer_idx, self.B.get(str(layer_idx)))
         elif isinstance(self.B, Sequence) and not isinstance(self.B, str):
@@ -111,33 +171,123 @@ def window_groups(
     return groups, n_groups
 
 
+def commitment_weights(
+    positions: torch.Tensor, groups: torch.Tensor, n_groups: int, spec: AcceptMoESpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AcceptMoE's per-token commitment weight α_t = p̂_{d_t}^β · N_{d_t}^{-1/2} and root flag.
+
+    A token's draft depth d_t is its position minus the first position of its window: a chain or DFlash block is
+    ``[root, d_1, ...]`` at consecutive positions (depth = index), a tree is laid out at ``n + depth``
+    (:meth:`vat.eval.tree.DraftTree.block_depths`), so positions alone give depths in every layout. N_d = tokens of
+    the window at depth d (1 for a chain).
+
+    Args:
+        positions: (N,) absolute positions.
+        groups: (N,) window id, -1 = not budgeted.
+        n_groups: number of windows.
+        spec: p̂ and β.
+
+    Returns:
+        ``(alpha (N,) fp32, root (N,) bool)``; 0 / False for unbudgeted tokens.
+    """
+    member = groups >= 0  # (N,)
+    g = groups.clamp_min(0)
+    big = torch.iinfo(torch.long).max
+    first = torch.full((max(n_groups, 1),), big, dtype=torch.long, device=positions.device)
+    first.scatter_reduce_(0, g[member], positions[member].long(), reduce="amin")  # (G,) window start
+    depth = torch.where(member, positions.long() - first[g], torch.zeros_like(g))  # (N,)
+    max_depth = int(depth.max()) if depth.numel() else 0
+    key = g * (max_depth + 1) + depth  # (N,) one id per (window, depth)
+    n_at = torch.bincount(key[member], minlength=max(n_groups, 1) * (max_depth + 1))[key]  # (N,) N_{d_t}
+    p_hat = spec.p_hat(max_depth).to(positions.device)[depth]  # (N,) float64
+    alpha = p_hat.pow(spec.beta) * n_at.clamp_min(1).double().rsqrt()
+    alpha = torch.where(member, alpha, torch.zeros_like(alpha)).float()
+    return alpha, member & (depth == 0)
+
+
+def effective_rank(demand: torch.Tensor) -> torch.Tensor:
+    """AcceptMoE's self-size n_er = ⌈exp(−Σ_e q_e log q_e)⌉, q = demand⁺ / Z, per row; 0 for a row with no demand.
+
+    Args:
+        demand: (G, E) non-negative demand of the candidate experts (0 = not a candidate).
+
+    Returns:
+        (G,) int64.
+    """
+    u = demand.double().clamp_min(0.0)  # (G, E)
+    total = u.sum(-1, keepdim=True)  # (G, 1)
+    q = u / total.clamp_min(torch.finfo(torch.float64).tiny)
+    entropy = -torch.where(q > 0, q * q.log(), torch.zeros_like(q)).sum(-1)  # (G,)
+    n = torch.ceil(entropy.exp() - SIZE_TOLERANCE).long()
+    return torch.where(total[:, 0] > 0, n, torch.zeros_like(n))
+
+
 def budget_sets(
-    scores: torch.Tensor, natural_ids: torch.Tensor, groups: torch.Tensor, n_groups: int, budget: int
+    scores: torch.Tensor,
+    natural_ids: torch.Tensor,
+    groups: torch.Tensor,
+    n_groups: int,
+    budget: int | None,
+    *,
+    token_weight: torch.Tensor | None = None,
+    natural_only: bool = False,
+    anchor: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The expert set S of every window: its natural union if that fits in ``budget``, else top-B by score.
+    """The expert set S of every window: its natural union if that fits, else the top experts by (weighted) demand.
+
+    MoE-Spec (the defaults): demand s_e = Σ_t score_{t,e}; S = top-B(s). AcceptMoE: demand u_e = Σ_t α_t score_{t,e}
+    1[e ∈ K_t] (``token_weight`` = α, ``natural_only``), the anchor tokens' natural experts A always in S, and
+    |S| = |A| + n_er (``budget`` None: :func:`effective_rank` of the non-anchor demand) or ``budget`` (AcceptMoE-fix);
+    |S| ≥ k always. Every window whose natural union has at most |S| experts gets exactly its union (the model is then
+    bit-identical there).
 
     Args:
         scores: (N, E) fp32 routing scores (softmax probabilities or the model's sigmoid scores).
         natural_ids: (N, k) the tokens' natural top-k ids.
         groups: (N,) window id per token, -1 = not budgeted.
         n_groups: number of windows.
-        budget: B.
+        budget: |S| (B), or None = self-sized.
+        token_weight: (N,) demand weight per token (None = 1).
+        natural_only: count a token's score only for its own natural top-k experts.
+        anchor: (N,) bool, tokens whose natural experts are always kept (None = none).
 
     Returns:
         (n_groups, E) bool: the allowed experts of each window.
     """
-    num_experts = scores.shape[-1]
+    num_experts, k = scores.shape[-1], natural_ids.shape[-1]
     member = groups >= 0  # (N,)
     g = groups.clamp_min(0)
-    mass = torch.zeros(n_groups, num_experts, dtype=torch.float32, device=scores.device)
-    mass.index_add_(0, g, scores.float() * member[:, None])  # (G, E): summed routing score per window
-    used = torch.zeros(n_groups, num_experts + 1, dtype=torch.float32, device=scores.device)
     hits = torch.ones_like(natural_ids, dtype=torch.float32) * member[:, None]  # (N, k)
-    used.index_put_((g[:, None].expand_as(natural_ids), natural_ids), hits, accumulate=True)
-    union = used[:, :num_experts] > 0  # (G, E)
-    fits = union.sum(-1) <= budget  # (G,)
+    natural = torch.zeros(scores.shape[0], num_experts + 1, dtype=torch.float32, device=scores.device)
+    natural.scatter_(1, natural_ids, hits)  # (N, E + 1): 1 on each token's natural experts
+    natural = natural[:, :num_experts]
+    weight = member.float() if token_weight is None else token_weight.float() * member  # (N,)
+    contrib = scores.float() * weight[:, None]  # (N, E)
+    if natural_only:
+        contrib = contrib * natural
+    mass = torch.zeros(n_groups, num_experts, dtype=torch.float32, device=scores.device)
+    mass.index_add_(0, g, contrib)  # (G, E): summed (weighted) demand per window
+    used = torch.zeros(n_groups, num_experts, dtype=torch.float32, device=scores.device)
+    used.index_add_(0, g, natural)
+    union = used > 0  # (G, E)
+    if anchor is None:
+        kept = torch.zeros_like(union)
+    else:
+        held = torch.zeros(n_groups, num_experts, dtype=torch.float32, device=scores.device)
+        held.index_add_(0, g, natural * anchor[:, None])
+        kept = held > 0  # (G, E): A, always in S
+    n_kept = kept.sum(-1)  # (G,)
+    if budget is None:
+        size = (n_kept + effective_rank(mass.masked_fill(kept, 0.0))).clamp(min=k, max=num_experts)  # (G,)
+    else:
+        size = n_kept.clamp(min=min(budget, num_experts))  # never below |A|: the anchor is always kept
+    fits = union.sum(-1) <= size  # (G,)
+    width = int(size.max()) if size.numel() else 0
+    ranked = mass.masked_fill(kept, float("inf"))  # (G, E): the anchor first, then by demand
     top = torch.zeros_like(union)
-    top.scatter_(1, torch.topk(mass, min(budget, num_experts), dim=-1).indices, True)  # (G, E)
+    order = torch.topk(ranked, width, dim=-1).indices  # (G, width), best first
+    take = torch.arange(width, device=scores.device)[None, :] < size[:, None]  # (G, width): the first |S| of each
+    top.scatter_(1, order, take)
     return torch.where(fits[:, None], union, top)
 
 
@@ -148,15 +298,21 @@ def apply_budget(
     natural: tuple[torch.Tensor, torch.Tensor],
     groups: torch.Tensor,
     n_groups: int,
-    budget: int,
+    budget: int | None,
     policy: str,
     counts: dict[str, torch.Tensor] | None = None,
+    *,
+    token_weight: torch.Tensor | None = None,
+    anchor: torch.Tensor | None = None,
+    acceptmoe: AcceptMoESpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Budget one MoE layer's routing.
 
     ``substitute``: a token with an expert outside S reruns the model's own selection over S (k slots filled
     whenever S holds k experts). ``truncate``: its out-of-set slots are dropped and the kept weights rescaled to the
     natural total; a token with *no* natural expert in S (it would get zero expert output) is substituted instead.
+    ``acceptmoe``: S from commitment-weighted demand (:func:`budget_sets` with ``token_weight`` / ``anchor``), then
+    substitution.
 
     Args:
         adapter: the family's routing rule.
@@ -165,23 +321,36 @@ def apply_budget(
         natural: the router's own ``(topk_weights (N, k), topk_ids (N, k))``.
         groups: (N,) window id per token, -1 = leave natural.
         n_groups: number of windows.
-        budget: B for this layer.
-        policy: ``substitute`` or ``truncate``.
+        budget: B for this layer; None = self-sized (``acceptmoe`` only).
+        policy: ``substitute``, ``truncate`` or ``acceptmoe``.
         counts: if given, receives ``"uncovered"``: a 0-d int64 tensor, the budgeted tokens none of whose natural
             experts is in S (no host sync: it stays on the device).
+        token_weight: (N,) AcceptMoE's α per token (:func:`commitment_weights`); ``acceptmoe`` only.
+        anchor: (N,) bool, the root token of each window; ``acceptmoe`` only.
+        acceptmoe: its demand/anchor switches (default :class:`AcceptMoESpec`).
 
     Returns:
-        ``(topk_weights (N, k), topk_ids (N, k))`` with at most B distinct ids per window; dropped slots hold
+        ``(topk_weights (N, k), topk_ids (N, k))`` with at most |S| distinct ids per window; dropped slots hold
         the sentinel ``num_experts`` with weight 0. Tokens whose natural top-k lies inside S keep their natural
         weights and ids bit for bit.
     """
     weights, ids = natural
     num_experts = logits.shape[-1]
-    if budget >= num_experts:
+    if budget is None and policy != "acceptmoe":
+        raise VatError(f"a self-sized expert set needs policy acceptmoe, not `{policy}`")
+    if budget is not None and budget >= num_experts:
         if counts is not None:
             counts["uncovered"] = torch.zeros((), dtype=torch.int64, device=ids.device)
         return weights, ids
-    allowed_sets = budget_sets(adapter.scores(router, logits), ids, groups, n_groups, budget)  # (G, E)
+    scores = adapter.scores(router, logits)  # (N, E)
+    if policy == "acceptmoe":
+        acceptmoe = acceptmoe or AcceptMoESpec()
+        allowed_sets = budget_sets(
+            scores, ids, groups, n_groups, budget, token_weight=token_weight,
+            natural_only=acceptmoe.demand == "natural", anchor=anchor if acceptmoe.anchor else None,
+        )  # (G, E)
+    else:
+        allowed_sets = budget_sets(scores, ids, groups, n_groups, budget)  # (G, E)
     member = groups >= 0
     allowed = allowed_sets[groups.clamp_min(0)] | ~member[:, None]  # (N, E); unbudgeted tokens allow all
     in_set = torch.cat([allowed, torch.zeros_like(allowed[:, :1])], dim=1).gather(1, ids)  # (N, k)
@@ -193,7 +362,7 @@ def apply_budget(
         return weights, ids
     sub_w, sub_ids = adapter.select(router, logits, allowed)
     sub_w = sub_w.to(weights.dtype)
-    if policy == "substitute":
+    if policy != "truncate":
         new_w, new_ids = sub_w, sub_ids
     else:
         new_w, new_ids = _truncate(weights, ids, in_set, num_experts)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vat.errors import VatError
-from vat.target.budget import BudgetSpec, window_groups
+from vat.target.budget import BudgetSpec, commitment_weights, window_groups
 from vat.target.cache import cache_kwargs, output_cache
 from vat.target.conventions import default_aux_layer_ids
 from vat.target.families import FamilyAdapter, adapter_for, decoder_layers, expert_bytes
@@ -167,9 +167,12 @@ class FrozenTarget(nn.Module):
                 token_mask = attention_mask[:, -length:].bool()
             else:
                 token_mask = torch.ones(batch, length, dtype=torch.bool, device=input_ids.device)
-        groups, n_groups = None, 0
+        groups, n_groups, weight, anchor = None, 0, None, None
         if budget is not None:
             groups, n_groups = window_groups(position_ids, token_mask, budget)
+            if budget.policy == "acceptmoe":  # AcceptMoE weighs each token by its depth in its window
+                weight, anchor = commitment_weights(position_ids.reshape(-1), groups.reshape(-1), n_groups,
+                                                    budget.acceptmoe)
         kwargs: dict[str, Any] = dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             use_cache=use_cache, logits_to_keep=logits_to_keep,
@@ -179,7 +182,8 @@ class FrozenTarget(nn.Module):
         hooks = self._feature_hooks(captured) if output_aux else []
         try:
             with self.routing.forward_context(
-                groups.reshape(-1) if groups is not None else None, n_groups, budget, capture_routing
+                groups.reshape(-1) if groups is not None else None, n_groups, budget, capture_routing,
+                token_weight=weight, anchor=anchor,
             ) as ctx:
                 out = self.model(**kwargs)
         finally:

@@ -27,6 +27,8 @@ class _ForwardContext:
     capture: bool = True
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE ordinal -> (N, k)
     uncovered: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE ordinal -> () tokens with no expert in S
+    token_weight: torch.Tensor | None = None  # (N,) AcceptMoE's commitment weight per flattened token
+    anchor: torch.Tensor | None = None  # (N,) bool, the root token of each window (AcceptMoE's anchor)
 
 
 class RoutingController:
@@ -59,13 +61,16 @@ class RoutingController:
                 return None
             logits, weights, ids = output
             if ctx.budget is not None and ctx.groups is not None:
-                budget = ctx.budget.budget_for(layer_idx, ordinal)
-                if budget is not None:
+                spec = ctx.budget
+                budget = None if spec.self_sized else spec.budget_for(layer_idx, ordinal)
+                if budget is not None or spec.self_sized:
                     counts: dict[str, torch.Tensor] = {}
-                    groups = ctx.groups.to(logits.device)  # a device_map target runs layers on several GPUs
+                    device = logits.device  # a device_map target runs layers on several GPUs
                     weights, ids = apply_budget(
-                        self.adapter, router, logits, (weights, ids), groups, ctx.n_groups, budget,
-                        ctx.budget.policy, counts=counts,
+                        self.adapter, router, logits, (weights, ids), ctx.groups.to(device), ctx.n_groups, budget,
+                        spec.policy, counts=counts,
+                        token_weight=None if ctx.token_weight is None else ctx.token_weight.to(device),
+                        anchor=None if ctx.anchor is None else ctx.anchor.to(device), acceptmoe=spec.acceptmoe,
                     )
                     if "uncovered" in counts:
                         ctx.uncovered[ordinal] = counts["uncovered"]
@@ -84,6 +89,8 @@ class RoutingController:
         n_groups: int = 0,
         budget: BudgetSpec | None = None,
         capture: bool = True,
+        token_weight: torch.Tensor | None = None,
+        anchor: torch.Tensor | None = None,
     ):
         """Within this context, every forward of the model is budgeted/captured.
 
@@ -92,11 +99,14 @@ class RoutingController:
             n_groups: number of windows.
             budget: the budget, or None for natural routing.
             capture: record the executed top-k ids.
+            token_weight: (B*T,) AcceptMoE's commitment weight per token (policy ``acceptmoe``).
+            anchor: (B*T,) bool, each window's root token (policy ``acceptmoe``).
 
         Yields:
             The context; ``ctx.captured`` maps MoE-layer ordinal to (B*T, k) ids after the forward.
         """
-        ctx = _ForwardContext(budget=budget, groups=groups, n_groups=n_groups, capture=capture)
+        ctx = _ForwardContext(budget=budget, groups=groups, n_groups=n_groups, capture=capture,
+                              token_weight=token_weight, anchor=anchor)
         previous, self._ctx = self._ctx, ctx
         try:
             yield ctx
