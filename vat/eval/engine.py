@@ -110,6 +110,10 @@ class SpeculativeEngine:
             block is truncated before that slot).
         evict: an :class:`vat.eval.evict.Evict` policy: truncate each drafted chain, block or tree before
             verification (lossless; None = verify everything drafted; n-gram chains are never truncated).
+        ecospec: an :class:`vat.eval.ecospec.EcoSpec` policy: choose the tree's nodes by draft log-probability minus
+            λ x predicted new experts (lossless; tree drafting only; None = by log-probability alone).
+        acceptmoe: AcceptMoE's commitment weighting (:class:`vat.target.budget.AcceptMoESpec`) when ``policy`` is
+            ``acceptmoe`` (``budget`` ``"auto"`` = self-sized; an int fixes |S|).
         max_new_tokens: generated tokens per sequence (the prefill's token included).
         eos_token_ids: tokens that end a sequence.
     """
@@ -126,6 +130,8 @@ class SpeculativeEngine:
         policy: str = "substitute",
         vh_threshold: float | None = None,
         evict=None,
+        ecospec=None,
+        acceptmoe=None,
         max_new_tokens: int = 256,
         eos_token_ids: Iterable[int] = (),
     ):
@@ -138,9 +144,10 @@ class SpeculativeEngine:
         self.steps = steps
         self.tree = tree
         self.temperature = float(temperature)
-        self.budget = BudgetSpec(B=budget, policy=policy) if budget is not None else None
+        self.budget = BudgetSpec(B=budget, policy=policy, acceptmoe=acceptmoe) if budget is not None else None
         self.vh_threshold = vh_threshold
         self.evict = evict
+        self.ecospec = ecospec
         self.max_new_tokens = max_new_tokens
         self.eos = {int(t) for t in eos_token_ids}
         self._window = sliding_window_limit(target.config) if tree is not None else None
@@ -280,7 +287,8 @@ class SpeculativeEngine:
     def _tree_round(self, cache, state: DraftState, head: DraftHead, root: int, generator) -> _Outcome:
         device = self.target.device
         n = cache_length(cache)
-        tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold)
+        select = self.ecospec.selector(root) if self.ecospec is not None else None
+        tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold, select=select)
         if self.evict is not None:
             tree = self.evict.tree(tree, n, self.tree.top_k)
         block = torch.tensor([[root] + tree.tokens], device=device)  # (1, N + 1)

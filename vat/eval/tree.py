@@ -17,6 +17,7 @@ target's argmax; sampling tries children in the draft's order (:func:`vat.eval.s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -133,7 +134,10 @@ def _vh_prob(vh_logit: float | None) -> float:
 
 
 @torch.no_grad()
-def build_tree(state: DraftState, head: DraftHead, spec: TreeSpec, vh_threshold: float | None = None) -> DraftTree:
+def build_tree(
+    state: DraftState, head: DraftHead, spec: TreeSpec, vh_threshold: float | None = None,
+    select: Callable[[list[_Node], int], list[int]] | None = None,
+) -> DraftTree:
     """Draft a dynamic tree from the head (speculative draft-cache entries are cropped before returning).
 
     Args:
@@ -141,6 +145,8 @@ def build_tree(state: DraftState, head: DraftHead, spec: TreeSpec, vh_threshold:
         head: the draft's output at the newest committed entry (its logits give the root's children).
         spec: top_k, depth, total_tokens.
         vh_threshold: do not expand a node whose verification-head probability is below this (None = never).
+        select: which ``total_tokens`` pool nodes to keep (pool indices, ancestor-closed); None = the best by
+            cumulative score (:func:`best_nodes`). EcoSpec (:mod:`vat.eval.ecospec`) passes its own.
 
     Returns:
         The :class:`DraftTree` (possibly empty).
@@ -157,7 +163,7 @@ def build_tree(state: DraftState, head: DraftHead, spec: TreeSpec, vh_threshold:
             break
         frontier = _expand(state, head, pool, frontier, prefix, depth, spec.top_k, threshold)
     state.cache.crop(prefix)
-    return _select(pool, spec.total_tokens)
+    return tree_of(pool, (select or best_nodes)(pool, spec.total_tokens))
 
 
 def _expand(
@@ -188,10 +194,21 @@ def _expand(
     return candidates[:top_k]
 
 
+def best_nodes(pool: list[_Node], total: int) -> list[int]:
+    """The ``total`` best pool nodes by cumulative score (ties: shallower, then earlier), best first.
+
+    Ancestor-closed: a child's score is at most its parent's, and a tie goes to the shallower node."""
+    return sorted(range(len(pool)), key=lambda i: (-pool[i].score, pool[i].depth, i))[:total]
+
+
 def _select(pool: list[_Node], total: int) -> DraftTree:
     """Keep the ``total`` best nodes (ancestor-closed), re-indexed in topological order."""
-    best = sorted(range(len(pool)), key=lambda i: (-pool[i].score, pool[i].depth, i))[:total]
-    order = sorted(best, key=lambda i: (pool[i].depth, i))
+    return tree_of(pool, best_nodes(pool, total))
+
+
+def tree_of(pool: list[_Node], chosen: list[int]) -> DraftTree:
+    """The :class:`DraftTree` of the ``chosen`` pool nodes (ancestor-closed), re-indexed in topological order."""
+    order = sorted(chosen, key=lambda i: (pool[i].depth, i))
     new_index = {old: new for new, old in enumerate(order)}
     tree = DraftTree()
     for old in order:
