@@ -111,13 +111,26 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
         "expert bytes per window, KL of the budgeted next-token distribution to the unbudgeted one).",
     )
     p.add_argument("--target", required=True, help="target model path (or `tiny` for the embedded default)")
-    p.add_argument("--benchmark", required=True, help=BENCHMARK_HELP)
+    p.add_argument("--benchmark", default=None, help=BENCHMARK_HELP + " (required unless --perplexity-grid)")
     p.add_argument("--window", type=int, default=8, help="window length W (the verification block, K+1)")
     p.add_argument("--budget", default=None, help="expert budget B per layer (int, or comma list per MoE layer)")
     p.add_argument("--policy", default="substitute", choices=["substitute", "truncate"])
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
     p.add_argument("--max-length", type=int, default=512, help="truncate prompts to this many tokens")
     p.add_argument("--output", required=True, help="output directory")
+    g = p.add_argument_group("perplexity grid (Window Pool, DESIGN §13): held-out perplexity of targets side by side "
+                             "under W x d_w window-sharing constraints and hard budgets B")
+    g.add_argument("--perplexity-grid", action="store_true", help="write DIR/perplexity_grid.json and .md instead "
+                   "of the scattering profile")
+    g.add_argument("--compare-target", action="append", default=None, metavar="LABEL=PATH",
+                   help="another target measured beside --target (labelled base); repeatable")
+    g.add_argument("--data", default="tiny-heldout", help="held-out text: tiny-heldout (the tiny build's held-out "
+                   "conversations) or a prepared dataset dir (default tiny-heldout)")
+    g.add_argument("--windows", default="4,8,16,32", help="grid window lengths W (default 4,8,16,32)")
+    g.add_argument("--pools", default="4,6,8", help="grid experts per window d_w (default 4,6,8)")
+    g.add_argument("--budgets", default="4,8", help="hard budgets B at W = --verify-window (default 4,8)")
+    g.add_argument("--verify-window", type=int, default=8, help="the verification block K + 1 (default 8)")
+    g.add_argument("--batch-size", type=int, default=8, help="held-out sequences per forward (default 8)")
     _add_target_options(p)
     p.set_defaults(func=_dispatch("vat.profile:main"))
 

@@ -304,3 +304,36 @@ def modeled_metrics(counts: dict) -> dict:
         "modeled_ar_tokens_per_s": kept / ar if ar else None,
         "modeled_speedup_vs_ar": ar / spent if spent else None,
     }
+
+
+COST_KEYS = ("modeled_seconds", "modeled_draft_seconds", "modeled_ar_seconds")
+
+
+def add_costs(model: CostModel, engine, runs, metrics: dict, entries: list[dict]) -> None:
+    """Price one configuration's decoded prompts: each ``per_prompt`` entry gets its ``modeled_*`` seconds (summed
+    over turns) and ``metrics`` gets ``cost`` (:func:`modeled_metrics` over all of them).
+
+    Args:
+        model: the cost model.
+        engine: the :class:`vat.eval.engine.SpeculativeEngine` that decoded them (its mode, draft and tree).
+        runs: the :class:`vat.eval.metrics.PromptRun` list, in ``entries``' order.
+        metrics: the configuration's metrics on this benchmark.
+        entries: its ``per_prompt`` entries (``kept`` and ``rounds`` already counted).
+    """
+    mode = engine.mode
+    draft = draft_shape(engine.drafter) if mode in ("chain", "tree", "block") else None
+    top_k = engine.tree.top_k if engine.tree is not None else 1
+    for run, entry in zip(runs, entries):
+        per_turn = [model.generation(g, mode, draft, top_k) for g in run.turns]
+        entry.update({k: sum(t[k] for t in per_turn) for k in COST_KEYS})
+    metrics["cost"] = pooled_cost(entries)
+
+
+def pooled_cost(entries: list[dict]) -> dict:
+    """:func:`modeled_metrics` of ``per_prompt`` entries (any set: a benchmark, or every benchmark pooled)."""
+    totals = {k: sum(float(e[k]) for e in entries) for k in COST_KEYS}
+    totals["kept"] = sum(e["kept"] for e in entries)
+    out = modeled_metrics(totals)
+    rounds = sum(e["rounds"] for e in entries)
+    out["modeled_seconds_per_round"] = out["modeled_seconds"] / rounds if rounds else None
+    return out

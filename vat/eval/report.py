@@ -112,9 +112,38 @@ def category_table(result: dict, benchmark: str) -> str:
     return "\n".join(lines)
 
 
+def cost_table(result: dict, benchmark: str | None) -> str:
+    """The modeled-cost table (``--cost-model``): one row per draft x budget, or '' without a cost model."""
+    model = result.get("cost_model")
+    if not model:
+        return ""
+    acc = model["label"]
+    lines = [f"| draft | budget | τ | modeled ms/round ({acc}) | of which drafting | modeled tok/s | "
+             "modeled AR tok/s | modeled speed-up over AR |", "|---|---|---|---|---|---|---|---|"]
+    for draft, budget, m in _configs(result, benchmark):
+        c = m.get("cost")
+        if not c:
+            continue
+        rounds = m["n_rounds"] or 1
+        per_round = None if c["modeled_seconds_per_round"] is None else 1e3 * c["modeled_seconds_per_round"]
+        lines.append(f"| {draft} | {budget} | {_fmt(m['tau'])} | {_fmt(per_round, 4)} | "
+                     f"{_fmt(1e3 * c['modeled_draft_seconds'] / rounds, 4)} | {_fmt(c['modeled_tokens_per_s'], 0)} | "
+                     f"{_fmt(c['modeled_ar_tokens_per_s'], 0)} | {_fmt(c['modeled_speedup_vs_ar'], 3)} |")
+    return "\n".join(lines)
+
+
+def _cost_note(result: dict) -> str:
+    model = result["cost_model"]
+    return (f"Modeled on {model['label']} ({model['source']}), weights and KV in {model['served_bytes']}-byte "
+            "elements: each forward takes max(bytes / bandwidth, FLOPs / peak), bytes = dense weights + the executed "
+            "expert union + KV read; speed-up = modeled AR time of the same tokens / modeled time (docs/eval.md).")
+
+
 def markdown_summary(result: dict) -> str:
     """The pooled table plus one table per benchmark (what `vat eval` prints)."""
     parts = ["All benchmarks pooled:", "", metrics_table(_configs(result, None))]
+    if result.get("cost_model"):
+        parts += ["", _cost_note(result), "", cost_table(result, None)]
     for name in result["benchmarks"]:
         parts += ["", f"{name}:", "", metrics_table(_configs(result, name))]
     return "\n".join(parts)
@@ -142,7 +171,7 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
         f"- target: `{result['target']}` ({info['num_experts']} experts, top-{info['top_k']}, "
         f"{len(info['moe_layer_ids'])} MoE layers, {info['dtype']} on {info['device']})",
         f"- drafting: {drafting}; temperature {s['temperature']}; budgets {s['budgets']} (policy {s['policy']}); "
-        f"vh threshold {s['vh_threshold']}",
+        f"vh threshold {s['vh_threshold']}; tree policy {s.get('tree_policy', 'confidence')}",
         f"- max new tokens {s['max_new_tokens']} per turn; limit {s['limit']} prompts per benchmark; batch size 1; "
         f"seed {s['seed']}; {result['seconds']:.0f} s in all",
         "- drafts: " + ", ".join(f"`{k}` ({_draft_origin(v, s['steps'])})" for k, v in result["drafts"].items()),
@@ -160,6 +189,8 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
         "",
         metrics_table(_configs(result, None)),
     ]
+    if result.get("cost_model"):
+        lines += ["", "### Modeled cost", "", _cost_note(result), "", cost_table(result, None)]
     for name in result["benchmarks"]:
         skipped = result["skipped"].get(name, {}).get("too_long", 0)
         lines += ["", f"## {name}", ""]
@@ -169,7 +200,10 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
         if ref:
             extra = f", {ref['seconds']:.1f} s extra" if ref["seconds"] else ""
             lines += [f"Quality reference: {ref['source']}{extra}.", ""]
-        lines += [metrics_table(_configs(result, name)), "", "τ per category:", "", category_table(result, name)]
+        lines += [metrics_table(_configs(result, name))]
+        if result.get("cost_model"):
+            lines += ["", "Modeled cost:", "", cost_table(result, name)]
+        lines += ["", "τ per category:", "", category_table(result, name)]
     if figures:
         lines += ["", "## Figures", ""]
         lines += [f"![{title}]({path})" for title, path in figures.items()]

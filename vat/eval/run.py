@@ -31,6 +31,7 @@ AR_LABEL = "none"
 NGRAM_LABEL = "ngram"
 NO_BUDGET = "none"
 EVAL_FORMAT_VERSION = 1
+TREE_POLICIES = ("confidence", "evict")  # how the drafted chain / tree is chosen before verification
 
 
 @dataclass
@@ -236,15 +237,22 @@ def _decode_prompt(engine, tokenizer, prompt, index: int, seed: int) -> tuple[Pr
     return run, ids, texts
 
 
-def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_new_tokens, eos):
+def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_new_tokens, eos, evict=None):
     drafter = config.draft.model
     if config.draft.aux_layer_ids is not None:
         target.aux_layer_ids = list(config.draft.aux_layer_ids)  # the features this draft reads
     eagle = drafter is not None and not config.draft.is_ngram and not config.draft.is_block
+    if evict is not None and (drafter is None or config.draft.is_ngram):
+        evict = None  # EVICT truncates a trained draft's chain, block or tree; n-gram chains carry no probabilities
+    elif evict is not None:
+        from vat.eval.cost import draft_shape
+        from vat.eval.evict import Evict
+
+        evict = Evict(evict[0], evict[1], draft_shape(drafter))
     return SpeculativeEngine(
         target, drafter, steps=steps, tree=tree if eagle else None, temperature=temperature,
-        budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, max_new_tokens=max_new_tokens,
-        eos_token_ids=eos,
+        budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, evict=evict,
+        max_new_tokens=max_new_tokens, eos_token_ids=eos,
     )
 
 
@@ -285,6 +293,10 @@ def run_eval(
     budgets: str | list[int | None] = NO_BUDGET,
     policy: str = "substitute",
     vh_threshold: float | None = None,
+    tree_policy: str = "confidence",
+    verify_cost: str | None = None,
+    cost_model: str | None = None,
+    served_dtype: str = "bfloat16",
     ngram_n: int = DEFAULT_N_MAX,
     ngram_min: int = DEFAULT_N_MIN,
     max_new_tokens: int = 256,
@@ -318,6 +330,14 @@ def run_eval(
         budgets: ``"none,8,4"`` or a list (None = natural routing); each is a separate pass per draft.
         policy: ``substitute`` or ``truncate``.
         vh_threshold: stop drafting when the verification head's probability falls below this.
+        tree_policy: which drafted tokens are verified: ``confidence`` (all of them: today's chain / EAGLE tree) or
+            ``evict`` (EVICT: truncated to the prefix with the best expected tokens per modeled verification cost,
+            :mod:`vat.eval.evict`; lossless).
+        verify_cost: EVICT's verification-cost profile (``vat profile --verify-widths`` output); None = profiled on
+            the fly on the first benchmark's first prompts (the target's own greedy answers to them).
+        cost_model: accelerator of the roofline cost model (``h100``, ``h200``, ``a100``, ``l40s``): adds modeled
+            tokens/s and speed-up over AR (``cost``) to every metrics entry. EVICT prices with it (default h200).
+        served_dtype: the dtype the cost model prices weights and KV in (``bfloat16``; the CPU eval's fp32 aside).
         ngram_n: longest suffix the ``ngram`` draft matches (vLLM's ``prompt_lookup_max``).
         ngram_min: shortest suffix it matches (vLLM's ``prompt_lookup_min``).
         max_new_tokens: tokens generated per turn.
@@ -352,6 +372,16 @@ def run_eval(
     if temperature < 0:
         raise VatError(f"--temperature must be >= 0, got {temperature}")
     tree_spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
+    if tree_policy not in TREE_POLICIES:
+        raise VatError(f"--tree-policy `{tree_policy}`: one of {', '.join(TREE_POLICIES)}")
+    if verify_cost is not None and tree_policy != "evict":
+        raise VatError("--verify-cost is EVICT's profile: add --tree-policy evict")
+    if cost_model is not None:
+        from vat.eval.cost import get_accelerator, served_bytes_of
+
+        get_accelerator(cost_model), served_bytes_of(served_dtype)  # bad names stop before anything loads
+    if verify_cost is not None and not os.path.exists(verify_cost):
+        raise VatError(f"--verify-cost {verify_cost}: no such file (write it with `vat profile --verify-widths ...`)")
     budget_list = parse_budgets(budgets) if isinstance(budgets, str) else list(budgets)
     ngram_spec = NgramSpec(n_max=ngram_n, n_min=ngram_min)
     start = time.time()
@@ -373,6 +403,7 @@ def run_eval(
     max_positions = getattr(target_obj.config, "max_position_embeddings", None)
     bytes_per_layer = target_obj.expert_bytes_per_layer()
     E = target_obj.num_experts
+    cost, evict = _cost_and_evict(target_obj, cost_model, served_dtype, tree_policy, verify_cost)
 
     gen_file = None
     if output:
@@ -399,10 +430,12 @@ def run_eval(
                 warnings.warn(f"benchmark {name}: every prompt is too long for the target; skipped", stacklevel=2)
                 continue
             bench_names.append(name)
+            if evict is not None and evict[1] is None:  # EVICT's profile, on the fly: this benchmark's first prompts
+                evict = (evict[0], _profile_on_the_fly(target_obj, tok, prompts, max_new_tokens, block, evict[0]))
             bench_runs: dict[int, list[PromptRun]] = {}
             for index, config in enumerate(configs):
                 engine = _engine(target_obj, config, steps=steps, tree=tree_spec, temperature=temperature,
-                                 policy=policy, max_new_tokens=max_new_tokens, eos=eos)
+                                 policy=policy, max_new_tokens=max_new_tokens, eos=eos, evict=evict)
                 runs = _run_config(engine, tok, prompts, config, name, temperature, seed, gen_file, progress,
                                    bytes_per_layer)
                 bench_runs[index] = runs
@@ -413,6 +446,10 @@ def run_eval(
                 per_prompt.setdefault(config.draft.label, {}).setdefault(config.budget_label, {})[name] = [
                     prompt_totals(run, bytes_per_layer) for run in runs
                 ]
+                if cost is not None:
+                    from vat.eval.cost import add_costs
+
+                    add_costs(cost, engine, runs, metrics, per_prompt[config.draft.label][config.budget_label][name])
                 all_runs.setdefault((config.draft.label, config.budget_label), []).extend(runs)
             if any(c.budget is not None for c in configs):
                 reference, source, ref_seconds = _natural_reference(
@@ -430,6 +467,11 @@ def run_eval(
     pooled: dict[str, dict[str, dict]] = {}
     for (label, budget), runs in all_runs.items():
         pooled.setdefault(label, {})[budget] = summarize(runs, bytes_per_layer, E)
+        if cost is not None:
+            from vat.eval.cost import pooled_cost
+
+            pooled[label][budget]["cost"] = pooled_cost(
+                [e for per in per_prompt[label][budget].values() for e in per])
         if (label, budget) in pooled_quality:
             pooled[label][budget]["quality"] = summarize_quality(
                 pooled_quality[(label, budget)], temperature == 0,
@@ -455,8 +497,12 @@ def run_eval(
             "tree": None if tree_spec is None else vars(tree_spec), "temperature": temperature,
             "budgets": [NO_BUDGET if b is None else b for b in budget_list], "policy": policy,
             "vh_threshold": vh_threshold, "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": 1,
-            "seed": seed,
+            "seed": seed, "tree_policy": tree_policy, "verify_cost": verify_cost,
+            "cost_model": None if cost_model is None else cost.accelerator.name,
+            "served_dtype": served_dtype if cost_model is not None else None,
         },
+        "cost_model": cost.describe() if cost_model is not None else None,
+        "evict_profile": evict[1].to_dict() if evict is not None and evict[1] is not None else None,
         "drafts": {
             **({AR_LABEL: {"path": None, "mode": "ar", "verification_head": False, "vh_threshold": None}}
                if any(c.draft.label == AR_LABEL for c in configs) else {}),
@@ -534,6 +580,37 @@ def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[Pr
         add_counts(pooled_quality.setdefault((config.draft.label, config.budget_label), empty_counts()), total)
 
 
+def _cost_and_evict(target, cost_model: str | None, served_dtype: str, tree_policy: str, verify_cost: str | None):
+    """The cost model (None without ``cost_model`` unless EVICT needs one: h200) and EVICT's ``(cost model, profile)``
+    (None unless ``tree_policy`` is ``evict``; the profile None = build it on the fly)."""
+    from vat.eval.cost import CostModel, get_accelerator, served_bytes_of, target_shape
+
+    if cost_model is None and tree_policy != "evict":
+        return None, None
+    model = CostModel(get_accelerator(cost_model or "h200"), target_shape(target), served_bytes_of(served_dtype))
+    evict = None
+    if tree_policy == "evict":
+        from vat.eval.verify_cost import load_verify_cost
+
+        table = load_verify_cost(verify_cost, len(target.moe_layer_ids)) if verify_cost else None
+        evict = (model, table)
+    return (model if cost_model is not None else None), evict
+
+
+EVICT_PROFILE_PROMPTS = 8  # prompts EVICT profiles on the fly without --verify-cost
+
+
+def _profile_on_the_fly(target, tok, prompts, max_new_tokens: int, block: int, model):
+    """EVICT's verification-cost profile from the target's own greedy answers to the first prompts (first turns)."""
+    from vat.eval.verify_cost import DEFAULT_WIDTHS, build_verify_cost, own_texts
+
+    ids = [render_chat(tok, [{"role": "user", "content": p.turns[0]}]) for p in prompts[:EVICT_PROFILE_PROMPTS]]
+    widths = sorted({w for w in DEFAULT_WIDTHS if w < block} | {block})
+    texts = own_texts(target, ids, max_new_tokens)
+    return build_verify_cost(target, texts, widths, cost=model, measure=False,
+                             source=f"on the fly: the target's greedy answers to {len(ids)} prompts")
+
+
 def _drafted_per_round(d: DraftEntry, steps: int, tree_spec: TreeSpec | None) -> int:
     """The most drafts one verification block of this draft holds."""
     if d.is_block:
@@ -569,7 +646,9 @@ def main(args: argparse.Namespace) -> int:
     result = run_eval(
         target=args.target, drafts=drafts, benchmarks=args.benchmark or ["spec_bench"], steps=args.steps,
         tree=args.tree, temperature=args.temperature, budgets=args.budget, policy=args.policy,
-        vh_threshold=args.vh_threshold, ngram_n=getattr(args, "ngram_n", DEFAULT_N_MAX),
+        vh_threshold=args.vh_threshold, tree_policy=getattr(args, "tree_policy", "confidence"),
+        verify_cost=getattr(args, "verify_cost", None), cost_model=getattr(args, "cost_model", None),
+        served_dtype=getattr(args, "served_dtype", "bfloat16"), ngram_n=getattr(args, "ngram_n", DEFAULT_N_MAX),
         ngram_min=getattr(args, "ngram_min", DEFAULT_N_MIN), max_new_tokens=args.max_new_tokens, limit=args.limit,
         batch_size=args.batch_size, seed=args.seed, output=args.output, dtype=getattr(args, "dtype", "auto"),
         device=getattr(args, "device", None), experts_impl=getattr(args, "experts_impl", None),

@@ -1,0 +1,71 @@
+"""`vat eval --cost-model` and `--tree-policy evict` end to end on a saved tiny target and draft: the modeled figures
+in eval.json reproduce from the per-prompt counts, AR models at exactly 1x, EVICT stays lossless, and bad input is one
+line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from test_eval_cli import saved  # noqa: F401  (module fixture: a saved tiny target and draft)
+
+from vat.cli import main as cli_main
+from vat.eval.run import run_eval
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_cost_model_and_evict_in_eval_json(saved, spec_bench_file):  # noqa: F811
+    root, target_dir, draft_dir = saved
+    out = str(root / "cost")
+    result = run_eval(target=target_dir, drafts=[draft_dir, "ngram"], benchmarks=[spec_bench_file], limit=2,
+                      max_new_tokens=12, steps=4, tree_policy="evict", cost_model="a100", output=out,
+                      progress=False, plots=False)
+    assert result["settings"]["cost_model"] == "a100" and result["settings"]["tree_policy"] == "evict"
+    assert result["cost_model"]["hbm_bytes_per_s"] == 2.039e12 and result["cost_model"]["served_bytes"] == 2
+    assert result["evict_profile"]["source"].startswith("on the fly") and result["evict_profile"]["widths"][-1] == 5
+    bench = result["benchmarks"][0]
+    for label, per_budget in result["per_prompt"].items():
+        entries = per_budget["none"][bench]
+        cost = result["results"][label]["none"][bench]["cost"]
+        spent = sum(e["modeled_seconds"] for e in entries)
+        ar = sum(e["modeled_ar_seconds"] for e in entries)
+        kept = sum(e["kept"] for e in entries)
+        assert cost["modeled_speedup_vs_ar"] == pytest.approx(ar / spent)
+        assert cost["modeled_tokens_per_s"] == pytest.approx(kept / spent)
+        assert result["pooled"][label]["none"]["cost"]["modeled_speedup_vs_ar"] == pytest.approx(ar / spent)
+    # autoregressive decoding priced against itself: the same forwards, exactly 1x
+    assert result["results"]["none"]["none"][bench]["cost"]["modeled_speedup_vs_ar"] == pytest.approx(1.0)
+    assert result["results"]["none"]["none"][bench]["cost"]["modeled_draft_seconds"] == 0.0
+    # EVICT is lossless: every draft's output is the AR output, token for token
+    with open(os.path.join(out, "generations.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    by_draft = {}
+    for row in rows:
+        by_draft.setdefault(row["draft"], []).append(row["token_ids"])
+    assert len(by_draft) == 3
+    assert all(ids == by_draft["none"] for ids in by_draft.values())
+    report = open(os.path.join(out, "report.md")).read()
+    assert "### Modeled cost" in report and "modeled speed-up over AR" in report and "tree policy evict" in report
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--cost-model", "b200"], "unknown cost model `b200`: known accelerators are h100, h200, a100, l40s"),
+    (["--verify-cost", "nowhere.json"], "--verify-cost is EVICT's profile: add --tree-policy evict"),
+    (["--tree-policy", "evict", "--verify-cost", "nowhere.json"],
+     "--verify-cost nowhere.json: no such file (write it with `vat profile --verify-widths ...`)"),
+])
+def test_cost_flags_user_errors_are_one_line(saved, spec_bench_file, capsys, flags, message):  # noqa: F811
+    root, target_dir, draft_dir = saved
+    rc = cli_main(["eval", "--target", target_dir, "--draft", draft_dir, "--benchmark", spec_bench_file, "--limit", "1",
+                   "--max-new-tokens", "4", "--output", str(root / "bad"), *flags])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == f"vat: error: {message}"
