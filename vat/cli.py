@@ -167,6 +167,16 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="substitute", choices=["substitute", "truncate"])
     p.add_argument("--vh-threshold", type=float, default=None, help="stop drafting (truncate a DFlash block) when the "
                    "verification head predicts rejection")
+    p.add_argument("--tree-policy", default="confidence", choices=["confidence", "evict"],
+                   help="which drafted tokens are verified: confidence = all (the chain / EAGLE tree as drafted); "
+                   "evict = EVICT: truncate the chain, block or tree to the prefix with the most expected accepted "
+                   "tokens per modeled verification cost (lossless) (default confidence)")
+    p.add_argument("--verify-cost", default=None, help="EVICT's verification-cost profile (profile.json of `vat "
+                   "profile --verify-widths`); default: profiled on the fly on the first benchmark's first prompts")
+    p.add_argument("--cost-model", default=None, help="roofline cost model: h100 | h200 | a100 | l40s (data-sheet HBM "
+                   "bandwidth and bf16 FLOPs); adds modeled tokens/s and speed-up over AR to eval.json and the report")
+    p.add_argument("--served-dtype", default="bfloat16", help="dtype the cost model prices weights and KV in "
+                   "(bfloat16 | float16 | float32 | fp8; default bfloat16, whatever dtype the eval runs in)")
     p.add_argument("--ngram-n", type=int, default=3, help="ngram draft: longest suffix matched, as vLLM's prompt_lookup_max (default 3)")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram draft: shortest suffix matched, as vLLM's prompt_lookup_min (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=256)
