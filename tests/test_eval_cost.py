@@ -69,3 +69,20 @@ def test_cost_flags_user_errors_are_one_line(saved, spec_bench_file, capsys, fla
                    "--max-new-tokens", "4", "--output", str(root / "bad"), *flags])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err == f"vat: error: {message}"
+
+
+def test_profile_writes_the_verify_cost_table_evict_reads(saved, spec_bench_file):  # noqa: F811
+    root, target_dir, draft_dir = saved
+    prof = str(root / "profile")
+    assert cli_main(["profile", "--target", target_dir, "--benchmark", spec_bench_file, "--limit", "2",
+                     "--verify-widths", "1,2,4", "--new-tokens", "8", "--cost-model", "l40s", "--output", prof]) == 0
+    with open(os.path.join(prof, "profile.json")) as f:
+        table = json.load(f)["verify_cost"]
+    assert table["widths"] == [1, 2, 4] and table["accelerator"] == "l40s" and len(table["measured_seconds"]) == 3
+    assert table["union"][0] == [2.0, 2.0]  # one token: its own top-2 in each of the 2 MoE layers
+    assert "Verification cost against width" in open(os.path.join(prof, "profile.md")).read()
+    result = run_eval(target=target_dir, drafts=[draft_dir], benchmarks=[spec_bench_file], limit=1, max_new_tokens=8,
+                      steps=3, tree_policy="evict", verify_cost=os.path.join(prof, "profile.json"), progress=False,
+                      autoregressive=False)
+    assert result["evict_profile"]["widths"] == [1, 2, 4] and result["settings"]["verify_cost"].endswith(
+        "profile.json")

@@ -644,10 +644,10 @@ def test_logged_objective_takes_the_union_term_unscaled():
     sw = dict(soft_weight=1.0, hard_weight=1.0, adaptive_weights=True, union_top_m=4)
     lam = 0.3
     base, mb = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw), affinity=flat, anchor_routing=routing)
-    full, m = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw, union_weight=lam), affinity=flat,
-                            anchor_routing=routing)
+    full, m = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw, union_weight=lam, union_scale_max=math.inf),
+                            affinity=flat, anchor_routing=routing)
     scale, union = m["union_scale_sum"].item(), m["union_loss_sum"].item()
-    assert scale > 1e4  # the situation of the issue: a scale that would blow up the logged number
+    assert scale > 1e4  # the situation of the issue: a scale that would blow up the logged number (unbounded here)
     assert 0 < union <= 1.0 and m["union_loss_count"].item() == 1.0
     assert full.item() == pytest.approx(base.item() + lam * scale * union, rel=1e-4)
     assert m["objective_sum"].item() == pytest.approx(base.item() + lam * union, rel=1e-6)
@@ -695,3 +695,37 @@ def test_compact_affinity_table_equals_the_dense_one_on_the_tiny_target(stride):
     a_d = expected_expert_use(logits, want, 8, is_logits=True)
     assert a_c.dtype == torch.float32
     torch.testing.assert_close(a_c, a_d, atol=1e-3, rtol=0)
+
+
+def test_union_scale_is_bounded_and_leaves_a_working_union_term_alone():
+    """grad_ratio's s = ||grad imit|| / ||grad union|| is clamped at ``union_scale_max``: on a table whose rows are
+    equal up to fp noise (a fresh run before its first routing fold) s would be ~1e6+ and scale noise up to
+    lambda x imitation; bounded, the union adds exactly ``lambda * s_max * grad U``. An informative table's s is far below
+    the bound and keeps the exact ratio lambda."""
+    draft_logits, td_k, valid, table, routing = _union_case(L=2, E=8, top_k=2, Vd=12, seed=6)
+    gen = torch.Generator().manual_seed(6)
+    flat = table[:1].expand_as(table) + 1e-4 * torch.rand(table.shape, generator=gen)  # rows almost identical
+    sw = dict(soft_weight=1.0, hard_weight=1.0, adaptive_weights=True, union_top_m=4)
+    lam, bound = 0.3, 20.0
+    base, _ = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw), affinity=flat, anchor_routing=routing)
+    (g_base,) = torch.autograd.grad(base, draft_logits)
+    full, m = vat_objective(draft_logits, td_k, valid, LossSwitches(**sw, union_weight=lam, union_scale_max=bound),
+                            affinity=flat, anchor_routing=routing)
+    (g_full,) = torch.autograd.grad(full, draft_logits)
+    assert m["union_scale_raw_sum"].item() > 1e3 and m["union_scale_sum"].item() == bound
+    assert m["union_clamped_sum"].item() == 1.0
+    # reference: the union gradient computed on its own, times lambda * bound
+    logits = draft_logits.detach().requires_grad_(True)
+    anchor_valid = simulate_verification(draft_logits.detach(), td_k, valid).anchor_valid
+    penalty, _, _ = union_penalty(soft_union(expected_expert_use(logits, flat, 4, is_logits=True), routing, valid),
+                                  flat.shape[-1], anchor_valid)
+    (g_union,) = torch.autograd.grad(penalty, logits)
+    expected = lam * bound * g_union
+    assert float((g_full - g_base - expected).norm() / expected.norm()) < 1e-2  # up to fp32 cancellation
+    assert float((g_full - g_base).norm() / g_base.norm()) < 1e-2 * lam  # noise stays noise
+    # the informative table: s below the default bound, exact ratio, nothing clamped
+    ratio, m = _gradient_ratio((draft_logits, td_k, valid, table, routing), lam, "grad_ratio")
+    assert m["union_scale_sum"].item() == m["union_scale_raw_sum"].item() < LossSwitches().union_scale_max
+    assert m["union_clamped_sum"].item() == 0.0 and ratio == pytest.approx(lam, rel=1e-4)
+    with pytest.raises(VatError, match="union_scale_max"):
+        LossSwitches(union_scale_max=0.0)

@@ -118,6 +118,13 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
     p.add_argument("--max-length", type=int, default=512, help="truncate prompts to this many tokens")
     p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--verify-widths", default=None, help="also write EVICT's verification-cost profile "
+                   "(profile.json `verify_cost`): expert union, modeled and measured time of verifying w tokens of "
+                   "the target's own answers, for each w of this comma list, e.g. 1,2,4,8,16,32,64")
+    p.add_argument("--new-tokens", type=int, default=64, help="--verify-widths: tokens of the target's greedy answer "
+                   "per prompt (default 64)")
+    p.add_argument("--cost-model", default="h200", help="--verify-widths: accelerator of the modeled times "
+                   "(h100 | h200 | a100 | l40s; default h200)")
     g = p.add_argument_group("perplexity grid (Window Pool, DESIGN §13): held-out perplexity of targets side by side "
                              "under W x d_w window-sharing constraints and hard budgets B")
     g.add_argument("--perplexity-grid", action="store_true", help="write DIR/perplexity_grid.json and .md instead "

@@ -77,6 +77,7 @@ class LossConfig:
     union_weight: float = 0.0  # lambda: the union term's gradient on the draft logits as a fraction of imitation's
     union_norm: str = "grad_ratio"  # grad_ratio (lambda = gradient ratio, same on every target shape) | none (raw)
     union_top_m: int = 8  # candidates per draft step in the expected expert use
+    union_scale_max: Optional[float] = None  # bound on the grad_ratio scale s; null = 1e4 (vat.losses.UNION_SCALE_MAX)
     union_max_anchors: Optional[int] = 1024  # anchors sampled per step for the union term (memory N·K·L'·E); null = all
     affinity: Optional[str] = None  # precomputed affinity table (`vat prep affinity`); null = online EMA
     affinity_ema: float = 0.99

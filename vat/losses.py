@@ -25,6 +25,10 @@ from vat.verify import ACCEPTANCE_RULES, TargetDist, VerificationResult, simulat
 
 DRAFTER_KINDS = ("eagle3", "dflash")
 UNION_NORMS = ("grad_ratio", "none")
+# bound on the grad_ratio scale s (docs/vat_losses.md): a trained tiny draft needs s ~ 1e2 and a fresh one 6e2-2e3
+# after its first routing fold, while before any fold the table's rows are equal and ||grad U|| is fp32 rounding
+# noise, giving s ~ 1e7-1e9 -- which would scale that noise up to lambda x the imitation gradient
+UNION_SCALE_MAX = 1.0e4
 IMITATION_NORMS = ("anchors", "weight_sum")
 
 
@@ -339,6 +343,7 @@ class LossSwitches:
     union_weight: float = 0.0  # lambda, expert-union penalty
     union_norm: str = "grad_ratio"  # grad_ratio: lambda = union/imitation gradient ratio on the logits | none: raw
     union_top_m: int = 8  # candidates per draft step in the expected expert use
+    union_scale_max: float = UNION_SCALE_MAX  # bound on the grad_ratio scale s (inf = unbounded)
     acceptance: str = "greedy"  # greedy | expected | sampled
     decay: float = 0.8  # EAGLE-3 base weight decay**k
     dflash_gamma: float | None = None  # DFlash base weight exp(-k/gamma); None = 7 * block_size / 16
@@ -354,6 +359,8 @@ class LossSwitches:
             raise VatError(f"loss.union_top_m must be >= 1, got {self.union_top_m}")
         if self.union_norm not in UNION_NORMS:
             raise VatError(f"loss.union_norm must be one of {list(UNION_NORMS)}, got `{self.union_norm}`")
+        if not self.union_scale_max > 0:
+            raise VatError(f"loss.union_scale_max must be > 0 (null = the default bound), got {self.union_scale_max}")
         if self.imitation_norm not in IMITATION_NORMS:
             raise VatError(f"loss.imitation_norm must be one of {list(IMITATION_NORMS)}, got `{self.imitation_norm}`")
 
@@ -372,6 +379,7 @@ class LossSwitches:
             union_weight=float(loss_cfg.union_weight or 0.0),
             union_norm=str(getattr(loss_cfg, "union_norm", "grad_ratio")),
             union_top_m=int(loss_cfg.union_top_m),
+            union_scale_max=float(getattr(loss_cfg, "union_scale_max", None) or UNION_SCALE_MAX),
             acceptance=str(loss_cfg.acceptance),
             decay=float(loss_cfg.decay),
             dflash_gamma=None if gamma is None else float(gamma),
@@ -409,7 +417,8 @@ def vat_objective(
     imitation position (a weighted mean; N is replaced by the weight sum).
     With ``union_norm = grad_ratio`` the stop-gradient scale s makes the union term's gradient on the (sampled
     anchors') draft logits exactly λ times the imitation term's there, whatever the target's layers, experts and
-    top-k; with ``none`` s = 1 and ``L_union = mean U / E``.
+    top-k, unless s would exceed ``switches.union_scale_max`` (then s is that bound and the union pulls with less than
+    λ: a near-zero union gradient is noise, not a direction); with ``none`` s = 1 and ``L_union = mean U / E``.
 
     Args:
         draft_logits: ``(..., K, V_d)`` draft logits (grad).
@@ -433,7 +442,8 @@ def vat_objective(
         ``acc_k_sum/count (K,)``, ``cond_acc_k_sum/count (K,)``, ``tau_sim_sum/count ()``, ``weight_sum ()``
         (Σ ŵ over imitation positions), ``imitation_anchors ()``, and when computed ``vh_bce_sum/count ()``,
         ``union_sim_sum/count ()`` (in experts per layer per anchor), ``union_scale_sum/count ()`` (the grad_ratio
-        scale s), ``union_loss_sum/count ()`` (the unscaled ``L_union``) and ``objective_sum/count ()``: the
+        scale s, after the bound), ``union_scale_raw_sum/count ()`` (s before it), ``union_clamped_sum/count ()`` (1
+        when bounded), ``union_loss_sum/count ()`` (the unscaled ``L_union``) and ``objective_sum/count ()``: the
         objective with the union term unscaled, ``imitation + vh + λ·L_union`` — what the trainer logs as ``loss``
         (the optimised one carries ``λ·s·L_union``, s up to ~1e7 for a fresh draft).
     """
@@ -513,7 +523,12 @@ def vat_objective(
             if switches.union_norm == "grad_ratio" and penalty.requires_grad:
                 g_imit = imitation_logit_grad(u_logits.detach(), u_target, u_wm, switches, denom)
                 (g_union,) = torch.autograd.grad(penalty, u_logits, retain_graph=True)
-                scale = union_grad_scale(g_imit, g_union)
+                raw = union_grad_scale(g_imit, g_union)
+                scale = raw.clamp_max(switches.union_scale_max)
+                metrics["union_scale_raw_sum"] = raw.detach()
+                metrics["union_scale_raw_count"] = torch.ones((), device=dev)
+                metrics["union_clamped_sum"] = (raw > switches.union_scale_max).float()
+                metrics["union_clamped_count"] = torch.ones((), device=dev)
             # the logged objective takes the union term unscaled: s is ~1e7 when a fresh draft's union gradient is
             # near zero, which bounds the gradient but would make the logged number meaningless
             logged = loss.detach() + switches.union_weight * penalty.detach()

@@ -157,6 +157,10 @@ def main(args: argparse.Namespace) -> int:
     prompts = load_benchmark(args.benchmark, limit=args.limit)
     prompts_ids = [render_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])[: args.max_length] for p in prompts]
     result = profile_target(target, prompts_ids, args.window, budget, args.policy)
+    widths = getattr(args, "verify_widths", None)
+    if widths:
+        result["verify_cost"] = verify_cost_profile(target, prompts_ids, widths, getattr(args, "new_tokens", 64),
+                                                    getattr(args, "cost_model", None) or "h200")
     result.update({"target": args.target, "benchmark": args.benchmark, "seconds": round(time.time() - start, 2)})
     os.makedirs(args.output, exist_ok=True)
     path = os.path.join(args.output, "profile.json")
@@ -167,6 +171,25 @@ def main(args: argparse.Namespace) -> int:
     print(_markdown(result))
     print(f"wrote {path}")
     return 0
+
+
+def verify_cost_profile(target, prompts_ids: list[list[int]], widths: str, new_tokens: int, accelerator: str) -> dict:
+    """EVICT's verification-cost table (:mod:`vat.eval.verify_cost`): the mean expert union of w consecutive positions
+    of the target's own greedy answers to the prompts, the modeled verification time on ``accelerator`` and the
+    measured wall time of a w-token forward on this device, per width w in ``widths`` (``"1,2,4,8"``)."""
+    from vat.eval.cost import CostModel, get_accelerator, target_shape
+    from vat.eval.verify_cost import build_verify_cost, own_texts
+
+    try:
+        values = [int(w) for w in str(widths).split(",") if w.strip()]
+    except ValueError:
+        raise VatError(f"--verify-widths takes a comma list of integers, got `{widths}`") from None
+    model = CostModel(get_accelerator(accelerator), target_shape(target))
+    texts = own_texts(target, prompts_ids, new_tokens)
+    table = build_verify_cost(target, texts, values, cost=model, measure=True,
+                              source=f"vat profile: the target's greedy answers ({new_tokens} tokens) to {len(texts)} "
+                              "prompts")
+    return table.to_dict()
 
 
 def _markdown(r: dict) -> str:
@@ -192,4 +215,11 @@ def _markdown(r: dict) -> str:
     lines.append(f"| expert bytes per window | {r['expert_bytes_per_window'] / 2**20:.2f} MiB |")
     lines.append("")
     lines.append("Union by MoE layer: " + ", ".join(f"{u:.2f}" for u in r["union_by_layer"]))
+    vc = r.get("verify_cost")
+    if vc:
+        lines += ["", f"## Verification cost against width (EVICT's profile; modeled on {vc['accelerator']}, context "
+                  f"{vc['context']:.0f})", "", "| verified tokens | mean union per layer | modeled ms | measured ms "
+                  f"({vc['device']}) |", "|---|---|---|---|"]
+        for w, u, m, t in zip(vc["widths"], vc["union"], vc["modeled_seconds"], vc["measured_seconds"]):
+            lines.append(f"| {w} | {sum(u) / len(u):.2f} | {1e3 * m:.4f} | {1e3 * t:.2f} |")
     return "\n".join(lines) + "\n"
