@@ -269,3 +269,58 @@ def test_compact_strided_affinity_trains_with_the_union_penalty(workspace, tmp_p
     assert last["step"] == 3 and 0 < last["union_sim"] <= 8 and last["union_loss"] > 0
     table = load_file(os.path.join(out, "final", "affinity.safetensors"))["affinity"]
     assert table.shape == (256, 1, 8)  # 2 MoE layers, stride 2
+
+
+def test_budgeted_training_folds_natural_routing_into_the_affinity_table(workspace, tmp_path):
+    """The affinity table learns natural routing under a budget: with only the last MoE layer budgeted (B=1) the
+    routers' own top-k of the budgeted forward is the unbudgeted forward's exactly, so the folded table equals the
+    one the same batch gives without a budget, while folding the executed (budgeted) ids would not. With every layer
+    budgeted the first layer is still exact and later layers are closer to natural than the executed ids."""
+    import copy
+
+    from vat.data import collate
+    from vat.target import BudgetSpec
+    from vat.trainer import Trainer
+
+    trainer = Trainer(_cfg(workspace, str(tmp_path / "nat"), "method=vat", "budget.B=[null,1]",
+                           "target.experts_impl=eager"))
+    trainer.setup()
+    try:
+        batch = collate([trainer.dataset[i] for i in range(3)], trainer.pad_id)
+        budget = trainer._budget_for_step(0)
+        start = copy.deepcopy(trainer.affinity.state_dict())
+
+        def fold(step_budget):
+            trainer.affinity.load_state_dict(copy.deepcopy(start))
+            trainer._forward_loss(batch, step_budget)
+            trainer._fold_affinity()
+            return trainer.affinity.table().clone()
+
+        budgeted, natural = fold(budget), fold(None)
+        tout = trainer._target_forward(batch, budget)
+        plain = trainer.target.forward(batch["input_ids"], attention_mask=batch["attention_mask"])
+        # the old behaviour: the executed (budgeted) ids folded into the same starting table
+        trainer.affinity.load_state_dict(copy.deepcopy(start))
+        rows = trainer.target_to_draft[batch["input_ids"]]
+        executed = tout.topk_ids.masked_fill(tout.topk_ids >= trainer.target.num_experts, -1)
+        r, i = trainer.affinity.select(rows, executed, batch["attention_mask"].bool())
+        trainer.affinity.fold(r, i)
+        old = trainer.affinity.table().clone()
+        everywhere = trainer.target.forward(batch["input_ids"], attention_mask=batch["attention_mask"],
+                                            token_mask=batch["attention_mask"].bool() & batch["loss_mask"].bool(),
+                                            budget=BudgetSpec(B=1, window=4))
+    finally:
+        trainer.close()
+    real = batch["attention_mask"].bool()
+    assert torch.equal(tout.natural_topk_ids[:, real], plain.topk_ids[:, real])
+    assert not torch.equal(tout.topk_ids[1, real], plain.topk_ids[1, real])  # the budget binds on the last layer
+    assert torch.equal(budgeted, natural)
+    assert (old - natural).abs().max() > 1e-3  # folding budgeted routing would teach another table
+    # every layer budgeted: the first router reads an unbudgeted stream; the later one a budgeted stream
+    assert torch.equal(everywhere.natural_topk_ids[0][real], plain.topk_ids[0][real])
+
+    def agree(ids):
+        return (ids[1][real].sort(-1).values == plain.topk_ids[1][real].sort(-1).values).all(-1).float().mean()
+
+    assert agree(everywhere.natural_topk_ids) > agree(everywhere.topk_ids)
+    assert plain.natural_topk_ids is None

@@ -436,7 +436,10 @@ class Trainer:
             mask = verification.valid
             self.vh_pairs.append((vh_logits.detach()[mask].float(), verification.survival.detach()[mask].float()))
         rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
-        dropped_as_negative = topk.masked_fill(topk >= self.target.num_experts, -1)
+        # the table learns natural routing (DESIGN §6): under a budget, each router's own top-k of this same forward
+        # (captured before the budget rerouted it), not the budgeted ids the union term's anchor routing uses
+        folded = topk if tout.natural_topk_ids is None else tout.natural_topk_ids  # (L', B, T, k)
+        dropped_as_negative = folded.masked_fill(folded >= self.target.num_experts, -1)
         self.pending_routing.append(self.affinity.select(rows, dropped_as_negative, attention.bool()))
         metrics.update(metrics_extra)
         metrics["tokens"] = attention.sum().float()

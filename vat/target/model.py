@@ -32,6 +32,8 @@ class TargetOutput:
         aux_hidden: (B, T, n_aux * H) hidden states after the aux layers, concatenated in ``aux_layer_ids`` order.
         final_hidden: (B, T, H) the last hidden state after the final norm (what the LM head reads).
         topk_ids: (L', B, T, k) executed expert ids per MoE layer; ``num_experts`` marks a dropped slot.
+        natural_topk_ids: (L', B, T, k) when a budget was applied: each router's own top-k before the budget rerouted
+            it (:meth:`RoutingController.stacked_natural`); None without a budget (``topk_ids`` are then natural).
         window_groups: (B, T) budget-window id per token (-1 = unbudgeted), when a budget was applied.
         n_windows: number of budget windows.
         past_key_values: the KV cache when ``use_cache``.
@@ -48,6 +50,7 @@ class TargetOutput:
     n_windows: int = 0
     past_key_values: Any = None
     n_uncovered: torch.Tensor | None = None
+    natural_topk_ids: torch.Tensor | None = None
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -194,10 +197,11 @@ class FrozenTarget(nn.Module):
             aux = torch.cat([captured[f"layer{i}"] for i in self.aux_layer_ids], dim=-1)  # (B, T, n_aux * H)
             final = captured["final"]
         topk_ids = self.routing.stacked(ctx, batch, length) if capture_routing else None
+        natural_ids = self.routing.stacked_natural(ctx, batch, length) if capture_routing else None
         return TargetOutput(
             logits=out.logits, aux_hidden=aux, final_hidden=final, topk_ids=topk_ids, window_groups=groups,
             n_windows=n_groups, past_key_values=output_cache(out) if use_cache else None,
-            n_uncovered=self.routing.uncovered(ctx) if budget is not None else None,
+            n_uncovered=self.routing.uncovered(ctx) if budget is not None else None, natural_topk_ids=natural_ids,
         )
 
     def _feature_hooks(self, captured: dict[str, torch.Tensor]) -> list:

@@ -26,6 +26,7 @@ class _ForwardContext:
     n_groups: int = 0
     capture: bool = True
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE ordinal -> (N, k)
+    natural: dict[int, torch.Tensor] = field(default_factory=dict)  # budgeted MoE ordinal -> (N, k) router's own top-k
     uncovered: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE ordinal -> () tokens with no expert in S
     token_weight: torch.Tensor | None = None  # (N,) AcceptMoE's commitment weight per flattened token
     anchor: torch.Tensor | None = None  # (N,) bool, the root token of each window (AcceptMoE's anchor)
@@ -60,6 +61,8 @@ class RoutingController:
             if ctx is None:
                 return None
             logits, weights, ids = output
+            if ctx.capture and ctx.budget is not None:  # the router's own choice, before the budget reroutes it
+                ctx.natural[ordinal] = ids.detach()
             if ctx.budget is not None and ctx.groups is not None:
                 spec = ctx.budget
                 budget = None if spec.self_sized else spec.budget_for(layer_idx, ordinal)
@@ -119,6 +122,20 @@ class RoutingController:
             return None
         device = ctx.captured[0].device  # layers of a device_map target live on several GPUs
         ids = [ctx.captured[i].to(device) for i in range(len(self.moe_layers))]
+        return torch.stack(ids).view(len(ids), batch, length, -1)
+
+    def stacked_natural(self, ctx: _ForwardContext, batch: int, length: int) -> torch.Tensor | None:
+        """The routers' own top-k ids in a budgeted forward, before the budget rerouted them, as ``(L', B, T, k)``;
+        None when the forward had no budget (the executed ids are then the natural ones).
+
+        Each router reads the residual stream of *this* forward, so at layers after a budgeted one the ids are the
+        natural choice given the budgeted stream: equal to an unbudgeted forward's up to and including the first
+        budgeted layer (and wherever the budget did not bind), close to it elsewhere.
+        """
+        if not ctx.natural:
+            return None
+        device = ctx.natural[0].device
+        ids = [ctx.natural[i].to(device) for i in range(len(self.moe_layers))]
         return torch.stack(ids).view(len(ids), batch, length, -1)
 
     def uncovered(self, ctx: _ForwardContext) -> torch.Tensor | None:
