@@ -170,14 +170,27 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=7, help="chain length K (a DFlash draft drafts block_size - 1 per round)")
     p.add_argument("--tree", default=None, help="dynamic tree as top_k,depth,total_tokens (e.g. 8,6,48)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--budget", default="none", help="comma list of budgets, `none` = natural routing: none,8,4")
-    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate"])
+    p.add_argument("--budget", default=None, help="comma list of budgets, `none` = natural routing: none,8,4; `auto` = "
+                   "AcceptMoE's self-sized set (default: none; auto with --policy acceptmoe)")
+    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate", "acceptmoe"],
+                   help="budget policy: substitute / truncate = MoE-Spec (top-B experts by summed router score); "
+                   "acceptmoe = AcceptMoE (commitment-weighted demand, root anchor, self-sized with --budget auto or "
+                   "|S| = B with an int; changes the output) (default substitute)")
+    p.add_argument("--commitment", default=None, help="AcceptMoE's p̂_d (probability that depth d is on the accepted "
+                   "path): an eval.json of the same draft (its acceptance by position at budget none) or a JSON list "
+                   "[p_1, p_2, ...]; default the prior 0.8^d")
     p.add_argument("--vh-threshold", type=float, default=None, help="stop drafting (truncate a DFlash block) when the "
                    "verification head predicts rejection")
-    p.add_argument("--tree-policy", default="confidence", choices=["confidence", "evict"],
+    p.add_argument("--tree-policy", default="confidence", choices=["confidence", "evict", "ecospec"],
                    help="which drafted tokens are verified: confidence = all (the chain / EAGLE tree as drafted); "
                    "evict = EVICT: truncate the chain, block or tree to the prefix with the most expected accepted "
-                   "tokens per modeled verification cost (lossless) (default confidence)")
+                   "tokens per modeled verification cost (lossless); ecospec = EcoSpec: tree nodes chosen by draft "
+                   "log-probability minus --ecospec-lambda x predicted new experts per layer (lossless; needs --tree) "
+                   "(default confidence)")
+    p.add_argument("--ecospec-lambda", type=float, default=1.0, help="EcoSpec's trade-off: nats of draft "
+                   "log-probability one predicted new expert per layer costs; 0 = confidence selection (default 1.0)")
+    p.add_argument("--affinity", default=None, help="EcoSpec's expert predictor: an affinity table (`vat prep affinity "
+                   "--target ...` output, or a draft's affinity.safetensors); default each draft's own")
     p.add_argument("--verify-cost", default=None, help="EVICT's verification-cost profile (profile.json of `vat "
                    "profile --verify-widths`); default: profiled on the fly on the first benchmark's first prompts")
     p.add_argument("--cost-model", default=None, help="roofline cost model: h100 | h200 | a100 | l40s (data-sheet HBM "

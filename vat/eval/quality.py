@@ -77,8 +77,8 @@ def summarize_quality(counts: dict[str, float], greedy: bool, reference: str | N
 
 
 @torch.no_grad()
-def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int], budgets: Sequence[tuple[int, int | None]],
-                policy: str) -> dict[tuple[int, int | None], tuple[float, int]]:
+def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int], budgets: Sequence[tuple],
+                policy: str) -> dict[tuple, tuple[float, int]]:
     """KL(budgeted ‖ natural) of the next-token distribution over the response positions of the target's own text.
 
     One natural forward over ``prompt + response`` and one budgeted forward per ``(B, window)``: positions before the
@@ -89,14 +89,17 @@ def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int], 
         target: a :class:`~vat.target.FrozenTarget`.
         prompt_ids: the rendered prompt of the natural conversation's turn.
         response_ids: the natural greedy output of that turn.
-        budgets: ``(B, window)`` pairs.
+        budgets: ``(B, window)`` pairs; under policy ``acceptmoe`` B may be ``"auto"`` and a third entry gives the
+            commitment p̂ (:class:`~vat.target.budget.AcceptMoESpec`; each window's depths are its positions from the
+            window's first, as a chain's).
         policy: budget policy.
 
     Returns:
-        ``{(B, window): (Σ KL over response positions, number of positions)}``.
+        ``{key: (Σ KL over response positions, number of positions)}`` for every key of ``budgets``.
     """
     from vat.profile import kl_divergence
     from vat.target import BudgetSpec
+    from vat.target.budget import AcceptMoESpec
 
     start = len(prompt_ids)
     n = len(response_ids)
@@ -105,8 +108,10 @@ def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int], 
     input_ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=target.device)  # (1, P + n)
     natural = target.forward(input_ids, output_aux=False, capture_routing=False).logits[0, start:]  # (n, V)
     out = {}
-    for B, window in budgets:
-        spec = BudgetSpec(B=B, policy=policy, window=window, offset=start, start_position=start)
+    for key in budgets:
+        B, window = key[0], key[1]
+        accept = AcceptMoESpec(commitment=key[2] if len(key) > 2 else ()) if policy == "acceptmoe" else None
+        spec = BudgetSpec(B=B, policy=policy, window=window, offset=start, start_position=start, acceptmoe=accept)
         budgeted = target.forward(input_ids, budget=spec, output_aux=False, capture_routing=False).logits[0, start:]
-        out[(B, window)] = (float(kl_divergence(budgeted, natural).double().sum()), n)  # (n,) summed
+        out[key] = (float(kl_divergence(budgeted, natural).double().sum()), n)  # (n,) summed
     return out

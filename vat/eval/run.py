@@ -31,7 +31,8 @@ AR_LABEL = "none"
 NGRAM_LABEL = "ngram"
 NO_BUDGET = "none"
 EVAL_FORMAT_VERSION = 1
-TREE_POLICIES = ("confidence", "evict")  # how the drafted chain / tree is chosen before verification
+TREE_POLICIES = ("confidence", "evict", "ecospec")  # how the drafted chain / tree is chosen before verification
+SELF_SIZED = "auto"  # the budget of a policy that sizes its expert set itself (acceptmoe)
 
 
 @dataclass
@@ -44,6 +45,8 @@ class DraftEntry:
     model: Any = None
     aux_layer_ids: list[int] | None = None
     vh_threshold: float | None = None
+    ecospec: Any = None  # an EcoSpec policy for this draft's trees (--tree-policy ecospec)
+    acceptmoe: Any = None  # its AcceptMoE commitment weighting (--policy acceptmoe)
 
     @property
     def is_ngram(self) -> bool:
@@ -61,7 +64,7 @@ class RunConfig:
     """One pass over a benchmark: a draft (or AR) under one budget."""
 
     draft: DraftEntry
-    budget: int | None
+    budget: int | str | None  # None = natural routing, "auto" = self-sized (acceptmoe)
 
     @property
     def budget_label(self) -> str:
@@ -71,8 +74,8 @@ class RunConfig:
 # ---- argument parsing -----------------------------------------------------------------------------------------------
 
 
-def parse_budgets(text: str | None) -> list[int | None]:
-    """``"none,8,4"`` -> ``[None, 8, 4]`` (order kept, duplicates dropped)."""
+def parse_budgets(text: str | None) -> list[int | str | None]:
+    """``"none,8,4"`` -> ``[None, 8, 4]`` (order kept, duplicates dropped); ``auto`` = a self-sized set (acceptmoe)."""
     out: list[int | None] = []
     for part in str(text or NO_BUDGET).split(","):
         part = part.strip().lower()
@@ -80,11 +83,13 @@ def parse_budgets(text: str | None) -> list[int | None]:
             continue
         if part in ("none", "null", "off"):
             value = None
+        elif part == SELF_SIZED:
+            value = SELF_SIZED
         else:
             try:
                 value = int(part)
             except ValueError:
-                raise VatError(f"--budget takes a comma list of integers or `none`, got `{part}`") from None
+                raise VatError(f"--budget takes a comma list of integers, `none` or `auto`, got `{part}`") from None
             if value < 1:
                 raise VatError(f"expert budget must be >= 1, got {value}")
         if value not in out:
@@ -252,6 +257,7 @@ def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_
     return SpeculativeEngine(
         target, drafter, steps=steps, tree=tree if eagle else None, temperature=temperature,
         budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, evict=evict,
+        ecospec=config.draft.ecospec if eagle else None, acceptmoe=config.draft.acceptmoe,
         max_new_tokens=max_new_tokens, eos_token_ids=eos,
     )
 
@@ -297,6 +303,9 @@ def run_eval(
     verify_cost: str | None = None,
     cost_model: str | None = None,
     served_dtype: str = "bfloat16",
+    ecospec_lambda: float = 1.0,
+    affinity: str | None = None,
+    commitment: str | None = None,
     ngram_n: int = DEFAULT_N_MAX,
     ngram_min: int = DEFAULT_N_MIN,
     max_new_tokens: int = 256,
@@ -327,8 +336,9 @@ def run_eval(
         steps: chain length K (a DFlash draft drafts its own ``block_size - 1`` per round).
         tree: ``"top_k,depth,total_tokens"`` or a :class:`TreeSpec` for dynamic trees (None = chain).
         temperature: 0 = greedy, > 0 = rejection sampling.
-        budgets: ``"none,8,4"`` or a list (None = natural routing); each is a separate pass per draft.
-        policy: ``substitute`` or ``truncate``.
+        budgets: ``"none,8,4"`` or a list (None = natural routing); each is a separate pass per draft. ``auto`` (with
+            policy ``acceptmoe``) = AcceptMoE's self-sized expert set; an int with ``acceptmoe`` fixes |S|.
+        policy: ``substitute``, ``truncate`` (MoE-Spec) or ``acceptmoe`` (AcceptMoE, :mod:`vat.eval.commitment`).
         vh_threshold: stop drafting when the verification head's probability falls below this.
         tree_policy: which drafted tokens are verified: ``confidence`` (all of them: today's chain / EAGLE tree) or
             ``evict`` (EVICT: truncated to the prefix with the best expected tokens per modeled verification cost,
@@ -338,6 +348,12 @@ def run_eval(
         cost_model: accelerator of the roofline cost model (``h100``, ``h200``, ``a100``, ``l40s``): adds modeled
             tokens/s and speed-up over AR (``cost``) to every metrics entry. EVICT prices with it (default h200).
         served_dtype: the dtype the cost model prices weights and KV in (``bfloat16``; the CPU eval's fp32 aside).
+        ecospec_lambda: EcoSpec's λ (``tree_policy="ecospec"``): nats of draft log-probability one predicted new
+            expert per layer costs (:mod:`vat.eval.ecospec`).
+        affinity: EcoSpec's expert predictor, an affinity table (``vat prep affinity`` output, or a draft's
+            ``affinity.safetensors``); None = each draft's own ``affinity.safetensors``.
+        commitment: AcceptMoE's p̂_d (``policy="acceptmoe"``): an eval.json of the same draft or a JSON list
+            (:mod:`vat.eval.commitment`); None = the prior 0.8^d.
         ngram_n: longest suffix the ``ngram`` draft matches (vLLM's ``prompt_lookup_max``).
         ngram_min: shortest suffix it matches (vLLM's ``prompt_lookup_min``).
         max_new_tokens: tokens generated per turn.
@@ -383,6 +399,7 @@ def run_eval(
     if verify_cost is not None and not os.path.exists(verify_cost):
         raise VatError(f"--verify-cost {verify_cost}: no such file (write it with `vat profile --verify-widths ...`)")
     budget_list = parse_budgets(budgets) if isinstance(budgets, str) else list(budgets)
+    _check_policies(tree_spec, tree_policy, affinity, policy, budget_list, commitment)
     ngram_spec = NgramSpec(n_max=ngram_n, n_min=ngram_min)
     start = time.time()
 
@@ -391,6 +408,7 @@ def run_eval(
     target_obj = _load_target(target, eagle, dtype, device, ngram=len(eagle) < len(entries),
                               experts_impl=experts_impl, device_map=device_map)
     _attach(eagle, target_obj, vh_threshold)
+    _attach_policies(eagle, target_obj, tree_spec, tree_policy, ecospec_lambda, affinity, policy, commitment)
     tok = _load_tokenizer(tokenizer, target_obj)
     eos = eos_token_ids(tok, target_obj.model)
     # the AR pass is the denominator of speedup_vs_ar; a caller that measures AR once elsewhere (vat bench) skips it
@@ -498,6 +516,9 @@ def run_eval(
             "budgets": [NO_BUDGET if b is None else b for b in budget_list], "policy": policy,
             "vh_threshold": vh_threshold, "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": 1,
             "seed": seed, "tree_policy": tree_policy, "verify_cost": verify_cost,
+            "ecospec_lambda": ecospec_lambda if tree_policy == "ecospec" else None,
+            "affinity": affinity if tree_policy == "ecospec" else None,
+            "commitment": commitment if policy == "acceptmoe" else None,
             "cost_model": None if cost_model is None else cost.accelerator.name,
             "served_dtype": served_dtype if cost_model is not None else None,
         },
@@ -557,13 +578,13 @@ def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[Pr
 
     budgeted = [(i, c) for i, c in enumerate(configs) if c.budget is not None and i in bench_runs]
     window = {i: 1 + _drafted_per_round(c.draft, steps, tree_spec) for i, c in budgeted}  # the verification block
-    keys = sorted({(c.budget, window[i]) for i, c in budgeted})
+    keys = sorted({_kl_key(c, window[i]) for i, c in budgeted}, key=repr)
     # KL on the target's own text: one natural + one budgeted forward per (B, window), per prompt turn
     kl: list[list[dict]] = []
     for ref in tqdm(reference, desc=f"{bench} | KL to natural", disable=not progress, leave=False):
         kl.append([response_kl(target, p, g.token_ids, keys, policy) for p, g in zip(ref.prompt_ids, ref.turns)])
     for i, config in budgeted:
-        key = (config.budget, window[i])
+        key = _kl_key(config, window[i])
         total = empty_counts()
         entries = per_prompt[config.draft.label][config.budget_label][bench]
         for run, ref, ref_kl, entry in zip(bench_runs[i], reference, kl, entries):
@@ -611,6 +632,52 @@ def _profile_on_the_fly(target, tok, prompts, max_new_tokens: int, block: int, m
                              source=f"on the fly: the target's greedy answers to {len(ids)} prompts")
 
 
+def _kl_key(config: RunConfig, window: int) -> tuple:
+    """What a budgeted config's KL to natural depends on: (B, window), plus AcceptMoE's p̂ (per draft)."""
+    if config.draft.acceptmoe is None:
+        return (config.budget, window)
+    return (config.budget, window, config.draft.acceptmoe.commitment)
+
+
+def _check_policies(tree_spec, tree_policy: str, affinity, policy: str, budgets: list, commitment) -> None:
+    """One-line errors for EcoSpec / AcceptMoE options that cannot apply, before anything loads."""
+    from vat.target.budget import POLICIES
+
+    if policy not in POLICIES:
+        raise VatError(f"--policy `{policy}`: one of {', '.join(POLICIES)}")
+    if tree_policy == "ecospec" and tree_spec is None:
+        raise VatError("--tree-policy ecospec chooses the nodes of a dynamic tree: add --tree top_k,depth,total")
+    if affinity is not None and tree_policy != "ecospec":
+        raise VatError("--affinity is EcoSpec's expert predictor: add --tree-policy ecospec")
+    if affinity is not None and not os.path.exists(affinity):
+        raise VatError(f"--affinity {affinity}: no such file (write one with `vat prep affinity`)")
+    if SELF_SIZED in budgets and policy != "acceptmoe":
+        raise VatError(f"--budget {SELF_SIZED} (a self-sized expert set) needs --policy acceptmoe")
+    if commitment is not None and policy != "acceptmoe":
+        raise VatError("--commitment is AcceptMoE's estimate: add --policy acceptmoe")
+
+
+def _attach_policies(drafts: list[DraftEntry], target, tree_spec, tree_policy: str, lam: float,
+                     affinity: str | None, policy: str, commitment: str | None) -> None:
+    """Give each trained draft its EcoSpec selection (tree drafts) and its AcceptMoE commitment weighting."""
+    from vat.eval.ecospec import AFFINITY_FILE, EcoSpec, ExpertPredictor
+    from vat.target.budget import AcceptMoESpec
+
+    for d in drafts:
+        if tree_policy == "ecospec" and tree_spec is not None and not d.is_block:
+            source = affinity or d.path
+            if source is None or (affinity is None and not os.path.exists(os.path.join(source, AFFINITY_FILE))):
+                raise VatError(f"--tree-policy ecospec: draft {d.label} has no {AFFINITY_FILE}; give the expert "
+                               "predictor with --affinity FILE (`vat prep affinity` output)")
+            t2d = getattr(d.model, "t2d", None)
+            d.ecospec = EcoSpec(ExpertPredictor.load(source, target.vocab_size, t2d), lam=lam)
+        if policy == "acceptmoe":
+            from vat.eval.commitment import load_commitment
+
+            p_hat = load_commitment(commitment, d.path) if commitment is not None else ()
+            d.acceptmoe = AcceptMoESpec(commitment=p_hat)
+
+
 def _drafted_per_round(d: DraftEntry, steps: int, tree_spec: TreeSpec | None) -> int:
     """The most drafts one verification block of this draft holds."""
     if d.is_block:
@@ -619,7 +686,16 @@ def _drafted_per_round(d: DraftEntry, steps: int, tree_spec: TreeSpec | None) ->
 
 
 def _draft_record(d: DraftEntry, tree_spec: TreeSpec | None) -> dict:
-    """The eval.json ``drafts`` entry of one draft."""
+    """The eval.json ``drafts`` entry of one draft (with the EcoSpec predictor and AcceptMoE p̂ it ran with)."""
+    record = _mode_record(d, tree_spec)
+    if d.ecospec is not None:
+        record["ecospec_affinity"] = d.ecospec.predictor.source
+    if d.acceptmoe is not None:  # empty = the prior 0.8^d
+        record["acceptmoe_commitment"] = list(d.acceptmoe.commitment)
+    return record
+
+
+def _mode_record(d: DraftEntry, tree_spec: TreeSpec | None) -> dict:
     if d.is_ngram:
         return {"path": None, "mode": "ngram", "n_max": d.model.n_max, "n_min": d.model.n_min,
                 "verification_head": False, "vh_threshold": None}
@@ -638,6 +714,13 @@ def _unique(name: str, taken: list[str]) -> str:
     return out
 
 
+def _default_budgets(budget: str | None, policy: str) -> str:
+    """``--budget`` as given; unset = ``auto`` under ``--policy acceptmoe`` (it needs no B), else ``none``."""
+    if budget is not None:
+        return budget
+    return SELF_SIZED if policy == "acceptmoe" else NO_BUDGET
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of `vat eval` (setup -> run -> write)."""
     from vat.eval.report import markdown_summary
@@ -645,10 +728,13 @@ def main(args: argparse.Namespace) -> int:
     drafts = args.draft or [AR_LABEL]
     result = run_eval(
         target=args.target, drafts=drafts, benchmarks=args.benchmark or ["spec_bench"], steps=args.steps,
-        tree=args.tree, temperature=args.temperature, budgets=args.budget, policy=args.policy,
+        tree=args.tree, temperature=args.temperature, budgets=_default_budgets(args.budget, args.policy),
+        policy=args.policy,
         vh_threshold=args.vh_threshold, tree_policy=getattr(args, "tree_policy", "confidence"),
         verify_cost=getattr(args, "verify_cost", None), cost_model=getattr(args, "cost_model", None),
-        served_dtype=getattr(args, "served_dtype", "bfloat16"), ngram_n=getattr(args, "ngram_n", DEFAULT_N_MAX),
+        served_dtype=getattr(args, "served_dtype", "bfloat16"),
+        ecospec_lambda=getattr(args, "ecospec_lambda", 1.0), affinity=getattr(args, "affinity", None),
+        commitment=getattr(args, "commitment", None), ngram_n=getattr(args, "ngram_n", DEFAULT_N_MAX),
         ngram_min=getattr(args, "ngram_min", DEFAULT_N_MIN), max_new_tokens=args.max_new_tokens, limit=args.limit,
         batch_size=args.batch_size, seed=args.seed, output=args.output, dtype=getattr(args, "dtype", "auto"),
         device=getattr(args, "device", None), experts_impl=getattr(args, "experts_impl", None),
