@@ -324,3 +324,42 @@ def test_budgeted_training_folds_natural_routing_into_the_affinity_table(workspa
 
     assert agree(everywhere.natural_topk_ids) > agree(everywhere.topk_ids)
     assert plain.natural_topk_ids is None
+
+
+def test_budget_align_response_restarts_windows_at_the_response_and_offset_keeps_the_old_tiling(workspace, tmp_path):
+    """budget.align=response: each row's windows start at its first response position plus that row's phase (seeded
+    per step and batch, so a rerun draws the same); budget.align=offset: the step's absolute offset tiling."""
+    from vat.data import collate
+    from vat.target.budget import window_groups
+    from vat.trainer import Trainer
+
+    groups = {}
+    for align in ("response", "offset"):
+        trainer = Trainer(_cfg(workspace, str(tmp_path / align), "method=vat", "budget.B=1", "drafter.ttt_steps=3",
+                               f"budget.align={align}", "target.experts_impl=eager"))
+        trainer.setup()
+        try:
+            batch = collate([trainer.dataset[i] for i in range(4)], trainer.pad_id)
+            budget = trainer._budget_for_step(0)
+            groups[align] = trainer._target_forward(batch, budget).window_groups
+            again = trainer._target_forward(batch, budget).window_groups
+            phases = trainer._window_phases(4)
+        finally:
+            trainer.close()
+        assert torch.equal(groups[align], again)
+        response = batch["attention_mask"].bool() & batch["loss_mask"].bool()
+        positions = torch.arange(response.shape[1]).expand_as(response)
+        if align == "offset":
+            expected, _ = window_groups(positions, response, budget)
+        else:
+            from dataclasses import replace
+
+            expected, _ = window_groups(positions, response, replace(budget, phase=phases))
+            for b in range(4):
+                start = int(response[b].float().argmax())
+                first = groups[align][b, start]
+                # the leading window is [start, start + phase) (the whole first window when the phase is 0)
+                assert int((groups[align][b] == first).sum()) == (phases[b] or 4)
+        assert torch.equal(groups[align], expected)
+    assert torch.equal(groups["response"] >= 0, groups["offset"] >= 0)  # the same budgeted cells, other windows
+    assert not torch.equal(groups["response"], groups["offset"])

@@ -93,6 +93,8 @@ class BudgetConfig:
     B: Any = None  # expert budget per layer: int, list (per MoE layer) or {layer: B}; null = no budget
     policy: str = "substitute"  # substitute | truncate
     window: Optional[int] = None  # window length; null = ttt_steps + 1 (the verification block)
+    align: str = "response"  # response: windows restart at each response segment, random phase per row and step |
+    # offset: one random offset per step over absolute positions (the old tiling); docs/vat_losses.md
     scope: str = "sequence"  # sequence | batch
     train_mix: float = 0.0  # fraction of steps run unbudgeted
 
@@ -319,6 +321,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "drafter.vh_input": ("normed", "prenorm"),
     "budget.policy": ("substitute", "truncate"),
     "budget.scope": ("sequence", "batch"),
+    "budget.align": ("response", "offset"),
     "train.scheduler": ("cosine", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
     "logging.wandb.mode": ("disabled", "offline", "online"),

@@ -18,7 +18,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -369,8 +369,6 @@ class Trainer:
         rng = random.Random(self.budget_rng_seed + step)
         if rng.random() < self.cfg.budget.train_mix:
             return None
-        from dataclasses import replace
-
         return replace(self.budget, offset=rng.randrange(self.budget_window))
 
     def _draft_slots(self, batch: dict[str, torch.Tensor], tout, dist):
@@ -407,7 +405,18 @@ class Trainer:
         token_mask = None
         if budget is not None:
             token_mask = attention.bool() & batch["loss_mask"].bool()  # (B, T) budgeted positions
+            if self.cfg.budget.align == "response" and budget.phase is None:
+                budget = replace(budget, phase=self._window_phases(input_ids.shape[0]))
         return self.target.forward(input_ids, attention_mask=attention, token_mask=token_mask, budget=budget)
+
+    def _window_phases(self, rows: int) -> tuple[int, ...]:
+        """``budget.align: response``: one window phase per row, uniform in [0, W), seeded by the step and the data
+        position (a resumed run draws the same). Windows restart at every response segment, where serving's first
+        verification block of the turn starts, and each anchor starts a whole window in 1/W of the steps, per row
+        independently (docs/vat_losses.md, "Budget windows")."""
+        gen = torch.Generator().manual_seed(self.budget_rng_seed + 7919 * self.step + 104_729 * self.position.batch_index
+                                            + 15_485_863 * self.accelerator.process_index)
+        return tuple(torch.randint(self.budget_window, (rows,), generator=gen).tolist())
 
     def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         from vat.losses import vat_objective

@@ -88,7 +88,12 @@ class BudgetSpec:
         window: window length W in positions; None = every row's tokens of this forward form one window
             (the verification block).
         offset: windows are ``[offset + jW, offset + (j+1)W)`` in absolute positions (positions before the
-            offset form a first, shorter window).
+            offset form a first, shorter window). Unused when ``phase`` is set.
+        phase: per-row window phase φ_r in ``[0, W)`` (scope ``sequence``; the trainer's ``budget.align:
+            response``): windows restart at the first position ``s`` of every run of budgeted positions of a row (a
+            response segment: at serving, each turn's first verification block starts there) and are
+            ``[s, s + φ_r)`` (empty when φ_r = 0) then ``[s + φ_r + jW, s + φ_r + (j+1)W)``, cut at the segment's
+            end. None = the absolute tiling from ``offset``.
         scope: ``sequence`` (each row has its own windows) or ``batch`` (all rows of the forward share them).
         start_position: positions before this are not budgeted (the prompt's prefill stays natural).
         acceptmoe: the commitment weighting of policy ``acceptmoe`` (default :class:`AcceptMoESpec`); with that
@@ -102,6 +107,7 @@ class BudgetSpec:
     scope: str = "sequence"
     start_position: int = 0
     acceptmoe: AcceptMoESpec | None = None
+    phase: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -114,6 +120,12 @@ class BudgetSpec:
             raise VatError(f"unknown budget scope `{self.scope}`: one of {', '.join(SCOPES)}")
         if self.window is not None and self.window < 1:
             raise VatError(f"budget window must be >= 1, got {self.window}")
+        if self.phase is not None:
+            self.phase = tuple(int(p) for p in self.phase)
+            if self.window is None or self.scope != "sequence":
+                raise VatError("a per-row budget window phase needs a window length and scope `sequence`")
+            if any(not 0 <= p < self.window for p in self.phase):
+                raise VatError(f"budget window phases must lie in [0, {self.window}), got {list(self.phase)}")
 
     @property
     def self_sized(self) -> bool:
@@ -153,6 +165,8 @@ def window_groups(
     """
     batch, _ = positions.shape
     budgeted = valid & (positions >= spec.start_position)  # (B, T)
+    if spec.phase is not None:
+        return _segment_windows(positions, budgeted, spec.window, spec.phase)
     if spec.window is None:
         local = torch.zeros_like(positions)
         n_local = 1
@@ -169,6 +183,40 @@ def window_groups(
         groups, n_groups = local, n_local
     groups = torch.where(budgeted, groups, torch.full_like(groups, -1))
     return groups, n_groups
+
+
+def _segment_windows(
+    positions: torch.Tensor, budgeted: torch.Tensor, window: int, phase: tuple[int, ...]
+) -> tuple[torch.Tensor, int]:
+    """Windows that restart at every run of budgeted positions, from a per-row phase (``BudgetSpec.phase``).
+
+    Args:
+        positions: (B, T) absolute positions, consecutive along each row's run of budgeted tokens.
+        budgeted: (B, T) bool, the tokens to budget.
+        window: W.
+        phase: (B,) φ_r in ``[0, W)``.
+
+    Returns:
+        ``(groups (B, T) int64, n_groups)``; -1 = not budgeted; ids are dense (no empty window).
+    """
+    batch, length = positions.shape
+    if len(phase) != batch:
+        raise VatError(f"{len(phase)} budget window phases for a batch of {batch} rows")
+    device = positions.device
+    col = torch.arange(length, device=device).expand(batch, length)  # (B, T)
+    before = torch.cat([torch.zeros_like(budgeted[:, :1]), budgeted[:, :-1]], dim=1)  # (B, T) previous is budgeted
+    first = torch.where(budgeted & ~before, col, torch.full_like(col, -1)).cummax(dim=1).values  # (B, T) run start
+    start = positions.gather(1, first.clamp_min(0))  # (B, T) position of the run's first token
+    shift = torch.tensor(phase, dtype=torch.long, device=device)[:, None]  # (B, 1)
+    j = torch.div(positions - start - shift, window, rounding_mode="floor") + 1  # (B, T): 0 = the leading window
+    rows = torch.arange(batch, device=device)[:, None]
+    key = (rows * length + first) * (length // window + 2) + j  # (B, T) one key per (row, run, window)
+    groups = torch.full_like(positions, -1)
+    if not bool(budgeted.any()):
+        return groups, 1
+    ids, dense = torch.unique(key[budgeted], return_inverse=True)
+    groups[budgeted] = dense
+    return groups, int(ids.numel())
 
 
 def commitment_weights(
