@@ -1,8 +1,12 @@
 """The cells of a bench and how each one is trained and evaluated, resumably.
 
 A trained cell is (method, seed): ``cells/<method>/seed<k>/train/`` (a `vat train` run directory) and
-``.../eval/eval.json``, plus ``.../curve/step_<N>/eval.json`` for each curve step. A baseline cell (``ngram``,
-``none``) is ``cells/<baseline>/eval/eval.json``: training-free drafts do not depend on a seed.
+``.../eval/eval.json``, plus ``.../curve/step_<N>/eval.json`` for each curve step. A draft cell (a method with
+``draft:`` instead of ``recipe:``) evaluates an existing draft directory as it is, per seed (``{seed}`` in its path):
+``cells/<method>/seed<k>/eval/eval.json``. A baseline cell (``ngram``, ``none``) is
+``cells/<baseline>/eval/eval.json``: training-free drafts do not depend on a seed. Every method may override the
+bench's eval settings (tree, tree policy, budgets, budget policy, cost model: ``methods.<label>.eval``), so one
+draft evaluated several ways is several methods side by side.
 
 Every stage is reused when its recorded settings match: the draft when ``final/config.yaml`` is the resolved
 training config, an evaluation when its ``bench_settings.json`` is the one it would be run with. A killed training
@@ -36,17 +40,24 @@ class Cell:
         method: method or baseline label.
         seed: the training seed; None for a baseline.
         directory: ``output_dir/cells/<method>/seed<k>`` or ``output_dir/cells/<baseline>``.
-        train_cfg: the resolved training config (None for a baseline).
+        train_cfg: the resolved training config (None for a baseline or a draft cell).
+        draft: a draft cell's draft directory (placeholders filled), else None.
     """
 
     method: str
     seed: int | None
     directory: str
     train_cfg: Any = None
+    draft: str | None = None
 
     @property
     def trained(self) -> bool:
+        """A seeded cell (a method: trained here, or an existing draft of that seed), not a baseline."""
         return self.seed is not None
+
+    @property
+    def has_training(self) -> bool:
+        return self.train_cfg is not None
 
     @property
     def name(self) -> str:
@@ -119,12 +130,15 @@ def plan_cells(bench: Any, out: str) -> list[Cell]:
     """
     cells: list[Cell] = []
     for i, seed in enumerate(bench.seeds):
-        for label in bench.methods:
+        for label, method in bench.methods.items():
             directory = os.path.join(out, "cells", label, f"seed{seed}")
+            if method.get("draft"):
+                cells.append(Cell(label, int(seed), directory, draft=fill_placeholders(method.draft, int(seed), out)))
+                continue
             cells.append(Cell(label, int(seed), directory, train_config(bench, label, int(seed), directory)))
         if i == 0:
             cells += [Cell(base, None, os.path.join(out, "cells", base)) for base in bench.baselines]
-    targets = {c.train_cfg.target.path for c in cells if c.trained}
+    targets = {c.train_cfg.target.path for c in cells if c.has_training}
     if len(targets) > 1:
         raise VatError(f"the bench's methods train for different targets {sorted(targets)}; set target.path in "
                        "train_overrides")
@@ -137,7 +151,7 @@ def check_same_training(cells: list[Cell]) -> list[str]:
     Continuations (``train.init_from``) are compared with each other: their extra steps, not their total, must match.
     """
     warnings, first = [], {}
-    for cell in (c for c in cells if c.trained):
+    for cell in (c for c in cells if c.has_training):
         cfg = cell.train_cfg
         key = (cfg.data.train, cfg.data.max_length, cfg.data.tokens_per_batch, cfg.data.limit, cfg.train.max_steps)
         ref = first.setdefault((cell.seed, bool(cfg.train.get("init_from"))), (cell.method, key))
@@ -231,22 +245,70 @@ def _write_json(path: str, data: Any) -> None:
     os.replace(tmp, path)  # a kill never leaves half a file that looks finished
 
 
-def eval_settings(bench: Any, *, curve: bool = False) -> dict:
-    """What an evaluation depends on besides the draft (a curve point: the curve's subset and the first budget)."""
+# eval keys beside the original six, with the value that leaves `vat eval` as it was: a setting at its default is
+# left out of the settings (and so of every fingerprint), so benches that never set one keep their finished cells
+EVAL_VARIANT_DEFAULTS = {"tree": None, "tree_policy": "confidence", "verify_cost": None, "policy": "substitute",
+                         "vh_threshold": None, "cost_model": None}
+
+
+def method_eval(bench: Any, method: str | None) -> dict:
+    """The eval settings of one method: the bench's ``eval.*`` with the method's ``eval`` overrides on top (a
+    baseline, or None: the bench's). ``tree: chain`` in an override means no tree."""
     ev = bench.eval
-    return {
+    out = {"steps": ev.steps, "budgets": list(ev.budgets),
+           **{key: ev.get(key, default) for key, default in EVAL_VARIANT_DEFAULTS.items()}}
+    spec = bench.methods.get(method) if method is not None else None
+    if spec is not None:
+        for key, value in (spec.get("eval") or {}).items():
+            if value is not None:
+                out[key] = list(value) if key == "budgets" else value
+    if out["tree"] is not None and str(out["tree"]).lower() == "chain":
+        out["tree"] = None
+    return out
+
+
+def eval_settings(bench: Any, *, curve: bool = False, method: str | None = None) -> dict:
+    """What an evaluation depends on besides the draft (a curve point: the curve's subset and the first budget).
+
+    The original keys always; the eval variants (:data:`EVAL_VARIANT_DEFAULTS`) only when away from their default.
+    """
+    ev = bench.eval
+    mine = method_eval(bench, method)
+    settings = {
         "benchmarks": list(ev.benchmarks), "limit": bench.curve.limit if curve else ev.limit,
-        "max_new_tokens": ev.max_new_tokens, "steps": ev.steps, "temperature": ev.temperature,
-        "budgets": [ev.budgets[0]] if curve else list(ev.budgets),
+        "max_new_tokens": ev.max_new_tokens, "steps": mine["steps"], "temperature": ev.temperature,
+        "budgets": [mine["budgets"][0]] if curve else list(mine["budgets"]),
     }
+    settings.update({k: mine[k] for k, default in EVAL_VARIANT_DEFAULTS.items() if mine[k] != default})
+    return settings
+
+
+def draft_identity(path: str) -> str | None:
+    """An existing draft, hashed: its path, its config files and its weights' size (None when it is missing)."""
+    parts = [os.path.normpath(path)]
+    found = False
+    for name in ("config.yaml", "config.json", "model.safetensors"):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            continue
+        found = True
+        if name.endswith(".safetensors"):
+            parts.append(f"{name}:{os.path.getsize(file)}")
+        else:
+            with open(file) as f:
+                parts.append(f"{name}:{_sha(f.read())}")
+    return _sha("|".join(parts)) if found else None
 
 
 def cell_fingerprint(bench: Any, cell: Cell, target: str) -> str:
     """Everything a finished cell's figures depend on, hashed: a change means the cell runs again."""
-    parts = {"target": target, "eval": eval_settings(bench)}
-    if cell.trained:
+    parts = {"target": target, "eval": eval_settings(bench, method=cell.method)}
+    if cell.has_training:
         parts["train"] = _sha(config_identity(cell.train_cfg))
-        parts["curve"] = {"steps": sorted(set(bench.curve.steps)), **eval_settings(bench, curve=True)}
+        parts["curve"] = {"steps": sorted(set(bench.curve.steps)), **eval_settings(bench, curve=True,
+                                                                                   method=cell.method)}
+    elif cell.draft is not None:
+        parts["draft"] = draft_identity(cell.draft)
     return _sha(json.dumps(parts, sort_keys=True))
 
 
@@ -264,7 +326,7 @@ def finished(cell: Cell, fingerprint: str, bench: Any = None, target: str | None
         return None
     if record.get("fingerprint") == fingerprint:
         return record
-    if bench is not None and target is not None and cell.trained and _ran_as_wanted(bench, cell, target, record):
+    if bench is not None and target is not None and cell.has_training and _ran_as_wanted(bench, cell, target, record):
         record["fingerprint"] = fingerprint
         _write_json(path, record)
         return record
@@ -289,9 +351,9 @@ def _ran_as_wanted(bench: Any, cell: Cell, target: str, record: dict) -> bool:
         recorded.pop("step", None)
         return recorded == {"target": target, **settings, "drafts": [cell.method]}
 
-    if not ran_with(os.path.join(cell.directory, "eval"), eval_settings(bench)):
+    if not ran_with(os.path.join(cell.directory, "eval"), eval_settings(bench, method=cell.method)):
         return False
-    curve = eval_settings(bench, curve=True)
+    curve = eval_settings(bench, curve=True, method=cell.method)
     return all(ran_with(os.path.join(cell.directory, "curve", f"step_{step}"), curve) for step in steps)
 
 
@@ -389,10 +451,11 @@ def eval_stage(directory: str, drafts: list, target: str, settings: dict, identi
     if result and "per_prompt" in result and _read_json(os.path.join(directory, SETTINGS_FILE)) == recorded:
         return {**result, "bench_seconds": 0.0, "bench_reused": True}
     start = time.time()
+    variants = {key: settings.get(key, default) for key, default in EVAL_VARIANT_DEFAULTS.items()}
     result = run_eval(target=target, drafts=drafts, benchmarks=list(settings["benchmarks"]), steps=settings["steps"],
                       temperature=settings["temperature"], budgets=list(settings["budgets"]),
                       max_new_tokens=settings["max_new_tokens"], limit=settings["limit"], output=directory,
-                      progress=progress, plots=False, autoregressive=False)  # AR is its own cell
+                      progress=progress, plots=False, autoregressive=False, **variants)  # AR is its own cell
     _write_json(os.path.join(directory, SETTINGS_FILE), recorded)
     return {**result, "bench_seconds": time.time() - start, "bench_reused": False}
 
@@ -404,16 +467,26 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
     """Train (if a method) and evaluate one cell, then write its ``cell.json``; returns that record."""
     os.makedirs(cell.directory, exist_ok=True)
     record: dict[str, Any] = {"method": cell.method, "seed": cell.seed, "fingerprint": fingerprint}
+    settings = eval_settings(bench, method=cell.method)
     if not cell.trained:
-        result = eval_stage(os.path.join(cell.directory, "eval"), [cell.method], target, eval_settings(bench),
+        result = eval_stage(os.path.join(cell.directory, "eval"), [cell.method], target, settings,
                             {"drafts": [cell.method]}, progress)
         record["eval"] = _eval_summary(result, cell.method, bench)
+    elif cell.draft is not None:
+        identity = {"drafts": [cell.method], "draft": draft_identity(cell.draft)}
+        if identity["draft"] is None:
+            raise VatError(f"method {cell.method}: draft {cell.draft} not found (train it first, e.g. with the bench "
+                           "that makes it)")
+        result = eval_stage(os.path.join(cell.directory, "eval"), [(cell.method, cell.draft)], target, settings,
+                            identity, progress)
+        record["eval"] = _eval_summary(result, cell.method, bench)
+        record["draft"] = cell.draft
     else:
         train = train_stage(cell.train_cfg)
         record["train"] = {k: v for k, v in train.items() if k != "final"}
         identity = {"drafts": [cell.method], "train": _sha(config_identity(cell.train_cfg))}
         result = eval_stage(os.path.join(cell.directory, "eval"), [(cell.method, train["final"])], target,
-                            eval_settings(bench), identity, progress)
+                            settings, identity, progress)
         record["eval"] = _eval_summary(result, cell.method, bench)
         record["curve"] = _curve(bench, cell, train, target, identity, progress)
         prune_checkpoints(cell.train_cfg.output_dir, sorted(set(bench.curve.steps)))
@@ -424,7 +497,8 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
 
 def _eval_summary(result: dict, label: str, bench: Any) -> dict:
     """The figures a progress line and ``cell.json`` show: seconds and τ per benchmark under the first budget."""
-    budget = "none" if bench.eval.budgets[0] is None else str(bench.eval.budgets[0])
+    first = method_eval(bench, label)["budgets"][0]
+    budget = "none" if first is None else str(first)
     per_bench = result.get("results", {}).get(label, {}).get(budget, {})
     return {"seconds": result["bench_seconds"], "reused": result["bench_reused"],
             "tau": {name: m.get("tau") for name, m in per_bench.items()}}
@@ -434,7 +508,8 @@ def _curve(bench: Any, cell: Cell, train: dict, target: str, identity: dict, pro
     """τ of the checkpoints at the curve steps, on the curve's prompt subset (pooled over benchmarks)."""
     points = []
     records = read_metrics(os.path.join(cell.train_cfg.output_dir, "metrics.jsonl"))
-    budget = "none" if bench.eval.budgets[0] is None else str(bench.eval.budgets[0])
+    first = method_eval(bench, cell.method)["budgets"][0]
+    budget = "none" if first is None else str(first)
     for step in sorted(set(bench.curve.steps)):
         draft = train["final"] if step == cell.train_cfg.train.max_steps else os.path.join(
             cell.train_cfg.output_dir, "checkpoints", f"step_{step}")
@@ -442,8 +517,8 @@ def _curve(bench: Any, cell: Cell, train: dict, target: str, identity: dict, pro
         if not os.path.isdir(draft) and not os.path.exists(os.path.join(directory, "eval.json")):
             raise VatError(f"{cell.name}: checkpoint {draft} for curve step {step} is missing; delete "
                            f"{cell.train_cfg.output_dir} to retrain the cell")
-        result = eval_stage(directory, [(cell.method, draft)], target, eval_settings(bench, curve=True),
-                            {**identity, "step": step}, progress)
+        result = eval_stage(directory, [(cell.method, draft)], target,
+                            eval_settings(bench, curve=True, method=cell.method), {**identity, "step": step}, progress)
         pooled = result.get("pooled", {}).get(cell.method, {}).get(budget, {})
         per_bench = result.get("results", {}).get(cell.method, {}).get(budget, {})
         points.append({"step": step, "tokens": tokens_until(records, step), "tau": pooled.get("tau"),

@@ -70,7 +70,10 @@ def _settings(bench: Any, cells: list[Cell]) -> dict:
     from omegaconf import OmegaConf
 
     settings = OmegaConf.to_container(bench, resolve=True)
-    first = {c.method: c.train_cfg for c in cells if c.trained}
+    for cell in cells:
+        if cell.draft is not None:
+            settings["methods"][cell.method].setdefault("draft_paths", {})[str(cell.seed)] = cell.draft
+    first = {c.method: c.train_cfg for c in cells if c.has_training}
     for label, cfg in first.items():
         settings["methods"][label].update({
             "recipe_path": resolve_recipe(bench.methods[label].recipe), "method": cfg.method,
@@ -109,8 +112,8 @@ def run_bench(bench: Any, progress: bool | None = None) -> dict:
     cells = plan_cells(bench, out)
     for warning in check_same_training(cells):
         print(f"[vat bench] warning: {warning}", flush=True)
-    trained = [c for c in cells if c.trained]
-    target = resolve_target_path(trained[0].train_cfg.target.path)
+    trained = [c for c in cells if c.has_training]
+    target = resolve_target_path(trained[0].train_cfg.target.path if trained else _draft_target(cells))
     for cell in trained:
         cell.train_cfg.logging.progress = bool(progress and cell.train_cfg.logging.progress)
     print(f"[vat bench] {bench.name}: {len(bench.methods)} methods x {len(bench.seeds)} seeds + "
@@ -133,6 +136,23 @@ def run_bench(bench: Any, progress: bool | None = None) -> dict:
     print(f"[vat bench] done: {', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)
+
+
+def _draft_target(cells: list[Cell]) -> str:
+    """The target a bench of draft cells only evaluates on: the one the first draft records (``target_path``)."""
+    from vat.errors import VatError
+    from vat.export.checkpoint import read_draft_config
+
+    for cell in cells:
+        if cell.draft is None:
+            continue
+        if not os.path.isdir(cell.draft):
+            raise VatError(f"method {cell.method}: draft {cell.draft} not found (train it first, e.g. with the bench "
+                           "that makes it)")
+        path = getattr(read_draft_config(cell.draft), "target_path", None)
+        if path:
+            return path
+    raise VatError("no method trains a draft and no draft records its target_path: add a trained method")
 
 
 def main(args: argparse.Namespace) -> int:

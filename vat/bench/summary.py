@@ -20,6 +20,8 @@ from vat.eval.quality import add_counts, empty_counts, summarize_quality
 
 BENCH_FORMAT_VERSION = 1
 NO_BUDGET = "none"
+MIB = 1024.0 * 1024.0
+EXTRA_COUNTS = ("expert_bytes", "kept", "modeled_seconds", "modeled_ar_seconds")  # per-prompt counts beside τ's
 
 
 def _budget_label(budget: int | None) -> str:
@@ -45,7 +47,8 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
             for budget, per_bench in per_budget.items():
                 for bench, prompts in per_bench.items():
                     entry = rows.setdefault((label, budget, bench), {"seeds": [], "ids": None, "committed": [],
-                                                                     "rounds": [], "quality": None})
+                                                                     "rounds": [], "quality": None,
+                                                                     **{k: [] for k in EXTRA_COUNTS}})
                     ids = [p["question_id"] for p in prompts]
                     if entry["ids"] is not None and ids != entry["ids"]:
                         raise VatError(f"{cell.name}: the prompts of {bench} differ from the other seeds' (eval "
@@ -54,6 +57,8 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
                     entry["seeds"].append(cell.seed)
                     entry["committed"].append([p["committed"] for p in prompts])
                     entry["rounds"].append([p["rounds"] for p in prompts])
+                    for key in EXTRA_COUNTS:  # expert bytes, kept tokens, modeled seconds (--cost-model)
+                        entry[key].append([p.get(key) for p in prompts])
                     if budget != NO_BUDGET and all("quality" in p for p in prompts):
                         # quality under the budget: counts pooled over seeds and prompts (vat.eval.quality)
                         quality = entry["quality"] or {"counts": empty_counts(), "greedy": True}
@@ -64,6 +69,10 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
     for entry in rows.values():
         entry["committed"] = np.asarray(entry["committed"], dtype=np.float64)  # (S, P)
         entry["rounds"] = np.asarray(entry["rounds"], dtype=np.float64)  # (S, P)
+        for key in EXTRA_COUNTS:  # None where an older eval.json (or a run without a cost model) lacks the count
+            values = entry[key]
+            entry[key] = (np.asarray(values, dtype=np.float64)
+                          if values and all(v is not None for row in values for v in row) else None)  # (S, P)
     return rows
 
 
@@ -101,6 +110,13 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
         if budget != NO_BUDGET:  # a τ under a budget is never given without its quality (None: an older eval.json)
             q = entry.get("quality")
             stats["quality"] = summarize_quality(q["counts"], q["greedy"]) if q else None
+        if entry.get("expert_bytes") is not None and entry.get("kept") is not None:
+            # expert MiB per kept token: Σ bytes / Σ tokens, the same crossed bootstrap as τ
+            stats["expert_mib_per_token"] = bootstrap_tau(entry["expert_bytes"] / MIB, entry["kept"], **kw).to_dict()
+        if entry.get("modeled_seconds") is not None and entry.get("modeled_ar_seconds") is not None:
+            # modeled speed-up over AR = Σ modeled AR seconds / Σ modeled seconds (vat.eval.cost)
+            stats["modeled_speedup"] = bootstrap_tau(entry["modeled_ar_seconds"], entry["modeled_seconds"],
+                                                     **kw).to_dict()
         ref = rows.get((reference, budget, bench)) or rows.get((reference, NO_BUDGET, bench))
         if ref is not None and ref["ids"] == entry["ids"]:
             if ref is entry:
@@ -115,6 +131,14 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
                 if common:
                     ratio = paired_ratio(*mine, *_rows(ref, common), **kw)
                     stats["ratio"] = {**ratio.to_dict(), "seeds": common}
+                    if "modeled_speedup" in stats and ref.get("modeled_seconds") is not None:
+                        # the modeled speed-up over the reference's, paired as τ's ratio
+                        pick = (lambda e, k: e[k]) if entry["seeds"] == [None] else (
+                            lambda e, k: e[k][[e["seeds"].index(s) for s in common]])
+                        est = paired_ratio(pick(entry, "modeled_ar_seconds"), pick(entry, "modeled_seconds"),
+                                           ref["modeled_ar_seconds"][[ref["seeds"].index(s) for s in common]],
+                                           ref["modeled_seconds"][[ref["seeds"].index(s) for s in common]], **kw)
+                        stats["modeled_ratio"] = est.to_dict()
         if entry["seeds"] != [None]:
             stats["versus"] = {}
             for base in versus:
@@ -203,8 +227,11 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
             records.setdefault(cell.method, []).append(record)
             done_cells.append(cell)
     done = len(done_cells)
+    from vat.bench.cells import method_eval
+
     labels = [*bench.methods, *bench.baselines]
-    budgets = [_budget_label(b) for b in bench.eval.budgets]
+    budgets = list(dict.fromkeys(_budget_label(b) for label in [None, *bench.methods]
+                                 for b in method_eval(bench, label)["budgets"]))  # the bench's, then methods' own
     rows = per_prompt_table(done_cells)
     return {
         "vat_bench_version": BENCH_FORMAT_VERSION,
@@ -217,6 +244,8 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "seeds": list(bench.seeds),
         "benchmarks": sorted({bench_name for (_, _, bench_name) in rows}, key=_bench_order(bench)),
         "budgets": budgets,
+        "cost_models": sorted({m for label in [None, *bench.methods]
+                               if (m := method_eval(bench, label)["cost_model"]) is not None}),
         "progress": {"cells_done": done, "cells_total": len(cells), "complete": done == len(cells)},
         "interval": {"kind": "percentile bootstrap", "resampled": "seeds and prompts (crossed); paired for ratios",
                      "samples": int(bench.bootstrap.samples), "confidence": float(bench.bootstrap.confidence)},
@@ -281,6 +310,15 @@ def markdown(summary: dict) -> str:
         f"{summary['interval']['resampled']}. Ratios are τ / τ of `{ref}` at the same budget.",
         "",
     ]
+    variants = [(label, m) for label, m in summary["settings"].get("methods", {}).items()
+                if m.get("draft") or any(v is not None for v in (m.get("eval") or {}).values())]
+    if variants:
+        lines += ["Methods that evaluate an existing draft and/or override the bench's eval settings:", "",
+                  "| method | draft | eval overrides |", "|---|---|---|"]
+        for label, m in variants:
+            overrides = ", ".join(f"{k}={v}" for k, v in (m.get("eval") or {}).items() if v is not None) or "–"
+            lines.append(f"| {label} | {m.get('draft') or 'trained: ' + str(m.get('recipe'))} | {overrides} |")
+        lines.append("")
     labels = summary["methods"] + summary["baselines"]
     train = summary["train"]
     for budget in summary["budgets"]:
@@ -294,9 +332,15 @@ def markdown(summary: dict) -> str:
                 lines += ["Quality beside τ, pooled over seeds and prompts: agreement = per-token agreement with the "
                           "natural greedy output of the same prompt, KL to natural = KL(budgeted ‖ natural) of the "
                           "next-token distribution on the target's own text, nats per token.", ""]
-            lines += [f"| method | τ [{conf} % CI] | {quality_head}ratio to {ref} [{conf} % CI] | "
+            rows_here = [summary["results"].get(label, {}).get(budget, {}).get(bench) for label in labels]
+            modeled = any(r and "modeled_speedup" in r for r in rows_here)
+            acc = "/".join(summary.get("cost_models") or []) or "?"
+            cost_head = (f"expert MiB/token [{conf} % CI] | modeled {acc} speed-up over AR [{conf} % CI] | "
+                         f"modeled speed-up / {ref} [{conf} % CI] | ") if modeled else ""
+            lines += [f"| method | τ [{conf} % CI] | {quality_head}{cost_head}ratio to {ref} [{conf} % CI] | "
                       + "".join(f"ratio to {b} [{conf} % CI] | " for b in versus) + "seeds | train min/draft |",
-                      "|---|---|" + "---|---|" * budgeted + "---|" + "---|" * len(versus) + "---|---|"]
+                      "|---|---|" + "---|---|" * budgeted + "---|---|---|" * modeled + "---|" + "---|" * len(versus)
+                      + "---|---|"]
             for label in labels:
                 stats = summary["results"].get(label, {}).get(budget, {}).get(bench)
                 if stats is None:
@@ -307,7 +351,13 @@ def markdown(summary: dict) -> str:
                 minutes = f"{train[label]['minutes_per_draft']:.2f}" if label in train else "–"
                 against = "".join(f"{_fmt(stats.get('versus', {}).get(b))} | " for b in versus)
                 quality = _quality_cells(stats.get("quality", {}) if budgeted else None)
-                lines.append(f"| {label} | {_fmt(stats['tau'])} | {quality}{shown} | {against}{seeds} | {minutes} |")
+                cost = ""
+                if modeled:
+                    mratio = "1 (reference)" if ratio and ratio.get("reference") else _fmt(stats.get("modeled_ratio"))
+                    cost = (f"{_fmt(stats.get('expert_mib_per_token'), 2)} | {_fmt(stats.get('modeled_speedup'))} | "
+                            f"{mratio} | ")
+                lines.append(f"| {label} | {_fmt(stats['tau'])} | {quality}{cost}{shown} | {against}{seeds} | "
+                             f"{minutes} |")
             lines.append("")
     if summary["curve"]:
         lines += ["## τ against training tokens", "",

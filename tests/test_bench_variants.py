@@ -1,0 +1,134 @@
+"""`vat bench` eval variants: methods that evaluate an existing draft (no training) under per-method eval overrides
+(tree, EVICT, budget, cost model), side by side with intervals; cells resume and are keyed by their overrides; the
+settings of benches that set none of the new keys are unchanged (their finished cells stay finished)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from vat.config import load_bench_config
+from vat.errors import VatError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _write_config(path, draft_root: str, tree: str = "2,2,4") -> str:
+    text = f"""
+name: variants
+output_dir: {path}/bench
+seeds: [0]
+methods:
+  chain:
+    draft: {draft_root}/seed{{seed}}/final
+  tree_evict:
+    draft: {draft_root}/seed{{seed}}/final
+    eval: {{tree: "{tree}", tree_policy: evict, cost_model: h200}}
+  moespec2:
+    draft: {draft_root}/seed{{seed}}/final
+    eval: {{budgets: [2]}}
+baselines: []
+reference: chain
+eval:
+  benchmarks: [spec_bench]
+  limit: 2
+  max_new_tokens: 6
+  steps: 3
+  cost_model: h200
+bootstrap: {{samples: 200}}
+"""
+    file = path / "variants.yaml"
+    file.write_text(text)
+    return str(file)
+
+
+def _save_draft(root: str) -> str:
+    from transformers import AutoConfig
+
+    from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from vat.export.checkpoint import save_draft
+    from vat.paths import resolve_target_path
+
+    target = resolve_target_path("tiny-quick")
+    config = AutoConfig.from_pretrained(target)
+    cfg = Eagle3Config.for_target(config, draft_vocab_size=config.vocab_size, target_path=target)
+    torch.manual_seed(0)
+    return save_draft(Eagle3Drafter(cfg), cfg, os.path.join(root, "seed0", "final"))
+
+
+def test_existing_drafts_under_eval_variants_resume_and_are_keyed_by_overrides(tmp_path, capsys, one_thread):
+    from vat.bench.cells import plan_cells
+    from vat.bench.run import run_bench
+
+    draft_root = str(tmp_path / "drafts")
+    _save_draft(draft_root)
+    config = _write_config(tmp_path, draft_root)
+    bench = load_bench_config(config)
+    cells = plan_cells(bench, str(tmp_path / "bench"))
+    assert [(c.name, c.train_cfg, c.draft) for c in cells] == [
+        (f"{m} seed 0", None, f"{draft_root}/seed0/final") for m in ("chain", "tree_evict", "moespec2")]
+
+    summary = run_bench(bench, progress=False)
+    assert summary["progress"]["complete"] and summary["budgets"] == ["none", "2"]
+    assert not os.path.exists(tmp_path / "bench" / "cells" / "chain" / "seed0" / "train")  # nothing trained
+    res = summary["results"]
+    chain, evict = res["chain"]["none"]["spec_bench"], res["tree_evict"]["none"]["spec_bench"]
+    for stats in (chain, evict, res["moespec2"]["2"]["spec_bench"]):
+        for key in ("tau", "expert_mib_per_token", "modeled_speedup"):
+            est = stats[key]
+            assert est["low"] <= est["value"] <= est["high"], (key, est)
+    assert res["moespec2"]["2"]["spec_bench"]["quality"]["agreement"] is not None  # a budget carries its quality
+    assert "none" not in res["moespec2"] and "2" not in res["chain"]
+    assert evict["modeled_ratio"]["low"] <= evict["modeled_ratio"]["value"] <= evict["modeled_ratio"]["high"]
+    ev = json.loads((tmp_path / "bench" / "cells" / "tree_evict" / "seed0" / "eval" / "eval.json").read_text())
+    assert ev["settings"]["tree"] == {"top_k": 2, "depth": 2, "total_tokens": 4}
+    assert ev["settings"]["tree_policy"] == "evict" and ev["settings"]["cost_model"] == "h200"
+    md = (tmp_path / "bench" / "bench.md").read_text()
+    assert "modeled h200 speed-up over AR" in md and "| tree_evict |" in md and "tree_policy=evict" in md
+
+    # a rerun skips every cell; a changed override reruns that method's cell only
+    capsys.readouterr()
+    run_bench(load_bench_config(config), progress=False)
+    assert capsys.readouterr().out.count("finished earlier, skipped") == 3
+    run_bench(load_bench_config(_write_config(tmp_path, draft_root, tree="2,2,3")), progress=False)
+    out = capsys.readouterr().out
+    assert out.count("finished earlier, skipped") == 2 and "tree_evict seed 0: τ" in out
+
+
+def test_settings_of_benches_without_variants_are_unchanged():
+    from vat.bench.cells import eval_settings
+
+    for name in ("tiny.yaml", "tiny_import.yaml", "tiny_quick.yaml"):
+        bench = load_bench_config(os.path.join(REPO, "recipes", "bench", name))
+        for method in [None, *bench.methods]:
+            ev = bench.eval
+            assert eval_settings(bench, method=method) == {
+                "benchmarks": list(ev.benchmarks), "limit": ev.limit, "max_new_tokens": ev.max_new_tokens,
+                "steps": ev.steps, "temperature": ev.temperature, "budgets": list(ev.budgets)}
+
+
+def test_variant_config_errors_are_one_line(tmp_path):
+    config = _write_config(tmp_path, str(tmp_path / "nowhere"))
+    for override, message in [
+        ("methods.chain.eval.tree_policy=evicts", "one of confidence, evict"),
+        ("methods.chain.eval.cost_model=b200", "known accelerators are h100, h200, a100, l40s"),
+        ("methods.chain.recipe=tiny/eagle3.yaml", "not both"),
+        ("methods.chain.eval.tree=4,4", "top_k,depth,total_tokens"),
+    ]:
+        with pytest.raises(VatError, match=message):
+            load_bench_config(config, [override])
+    from vat.bench.run import run_bench
+
+    with pytest.raises(VatError, match="draft .*nowhere/seed0/final not found"):
+        run_bench(load_bench_config(config), progress=False)
