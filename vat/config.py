@@ -368,9 +368,23 @@ BENCH_BASELINES = ("ngram", "none")  # training-free drafts `vat eval` knows: pr
 
 
 @dataclass
+class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's eval.* value); part of the cell's key
+    steps: Optional[int] = None  # chain length K
+    tree: Optional[str] = None  # dynamic tree "top_k,depth,total_tokens" (vat eval --tree); "chain" = no tree
+    tree_policy: Optional[str] = None  # confidence | evict (| ecospec): which drafted tokens are verified
+    verify_cost: Optional[str] = None  # EVICT's profile (vat profile --verify-widths); null = profiled on the fly
+    budgets: Optional[list[Optional[int]]] = None  # expert budgets B of this method's evaluation
+    policy: Optional[str] = None  # budget policy (vat eval --policy)
+    vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
+    cost_model: Optional[str] = None  # roofline accelerator (h100 | h200 | a100 | l40s)
+
+
+@dataclass
 class BenchMethodConfig:
     recipe: str = ""  # training recipe: a path, or a packaged name such as tiny/eagle3.yaml
     overrides: list[str] = field(default_factory=list)  # dotted overrides for this method only (after train_overrides)
+    draft: str = ""  # instead of a recipe: an existing draft dir, evaluated as it is ({bench_dir}, {seed} filled)
+    eval: BenchMethodEvalConfig = field(default_factory=BenchMethodEvalConfig)  # this method's eval overrides
 
 
 @dataclass
@@ -381,6 +395,12 @@ class BenchEvalConfig:
     steps: int = 7  # chain length K
     budgets: list[Optional[int]] = field(default_factory=lambda: [None])  # expert budgets B; null = natural routing
     temperature: float = 0.0  # 0 = greedy (lossless)
+    tree: Optional[str] = None  # dynamic tree "top_k,depth,total_tokens"; null = chain of `steps`
+    tree_policy: str = "confidence"  # confidence | evict (| ecospec): which drafted tokens are verified
+    verify_cost: Optional[str] = None  # EVICT's verification-cost profile; null = profiled on the fly
+    policy: str = "substitute"  # budget policy
+    vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
+    cost_model: Optional[str] = None  # roofline accelerator: adds modeled tokens/s and speed-up over AR (vat eval)
 
 
 @dataclass
@@ -499,8 +519,13 @@ def _check_bench(cfg: Any) -> None:
     for label, method in cfg.methods.items():
         if not _BENCH_LABEL.match(label):
             raise VatError(f"method label `{label}` must be letters, digits and _ . + - (it names a directory)")
-        if not method.recipe:
-            raise VatError(f"bench config key `methods.{label}.recipe` is empty: name the training recipe")
+        if not method.recipe and not method.draft:
+            raise VatError(f"bench config key `methods.{label}.recipe` is empty: name the training recipe (or "
+                           f"`methods.{label}.draft`, an existing draft to evaluate)")
+        if method.recipe and method.draft:
+            raise VatError(f"method {label}: set `recipe` (train a draft) or `draft` (evaluate an existing one), not both")
+        if method.draft and method.overrides:
+            raise VatError(f"method {label}: `overrides` are training overrides; a `draft` method trains nothing")
     if cfg.reference not in cfg.methods:
         raise VatError(f"bench config key `reference`: `{cfg.reference}` is not a method"
                        f"{_closest(cfg.reference, list(cfg.methods))}; one of {', '.join(cfg.methods)}")
@@ -533,3 +558,24 @@ def _check_bench(cfg: Any) -> None:
     for key, ok, need in checks:
         if not ok:
             raise VatError(f"bad value `{OmegaConf.select(cfg, key)}` for bench config key `{key}`: {need}")
+    _check_bench_eval(cfg)
+
+
+def _check_bench_eval(cfg: Any) -> None:
+    """The eval variants (bench ``eval.*`` and each method's ``eval`` overrides) name things `vat eval` knows."""
+    from vat.eval.cost import get_accelerator
+    from vat.eval.run import TREE_POLICIES
+    from vat.eval.tree import TreeSpec
+
+    sections = [("eval", cfg.eval)] + [(f"methods.{label}.eval", m.eval) for label, m in cfg.methods.items()]
+    for where, ev in sections:
+        if ev.tree_policy is not None and ev.tree_policy not in TREE_POLICIES:
+            raise VatError(f"bad value `{ev.tree_policy}` for bench config key `{where}.tree_policy`: one of "
+                           f"{', '.join(TREE_POLICIES)}")
+        if ev.tree is not None and str(ev.tree).lower() != "chain":
+            TreeSpec.parse(ev.tree)
+        if ev.cost_model is not None:
+            get_accelerator(ev.cost_model)
+        budgets = ev.budgets if ev.budgets is not None else [None]
+        if not budgets or any(b is not None and b < 1 for b in budgets):
+            raise VatError(f"bad value `{list(budgets)}` for bench config key `{where}.budgets`: budgets >= 1 or null")
