@@ -228,3 +228,43 @@ def test_self_sized_acceptmoe_keeps_the_root_natural_and_sizes_each_window():
         assert bool((got_u < nat_u).any())  # self-sizing cut something
     finally:
         target.close()
+
+
+def test_tree_verification_weighs_tokens_by_their_tree_depth(monkeypatch):
+    """Through the engine: every tree verification forward under ``acceptmoe`` gets α from the tree's own depths
+    (N_d > 1 at some depth), and the decode runs to its length with a cut union."""
+    from test_eval_engine import make_draft
+
+    import vat.target.model as model_module
+    from vat.eval.engine import SpeculativeEngine
+    from vat.eval.tree import TreeSpec
+
+    model = tiny_model("olmoe", seed=2)
+    target = load_target(model, device="cpu")
+    seen = []
+    real = model_module.commitment_weights
+
+    def recording(positions, groups, n_groups, spec):
+        alpha, root = real(positions, groups, n_groups, spec)
+        seen.append((positions.clone(), alpha.clone(), root.clone()))
+        return alpha, root
+
+    monkeypatch.setattr(model_module, "commitment_weights", recording)
+    try:
+        draft = make_draft(model, target, rigged=True)
+        spec = AcceptMoESpec(commitment=(0.5, 0.25))
+        engine = SpeculativeEngine(target, draft, tree=TreeSpec(3, 3, 8), budget="auto", policy="acceptmoe",
+                                   acceptmoe=spec, max_new_tokens=16)
+        gen = engine.generate(torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(0)).tolist())
+    finally:
+        target.close()
+    assert len(gen.token_ids) == 16 and len(seen) == len(gen.rounds)
+    wide = 0
+    for positions, alpha, root in seen:
+        depth = positions - positions.min()
+        counts = torch.bincount(depth)
+        p_hat = torch.tensor([1.0, 0.5, 0.25, 0.25])[depth.clamp_max(3)]
+        assert torch.allclose(alpha, (p_hat.sqrt() / counts[depth].float().sqrt()).float())
+        assert root.tolist() == (depth == 0).tolist() and int(root.sum()) == 1
+        wide += int(counts.max()) > 1
+    assert wide > 0
