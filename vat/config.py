@@ -373,7 +373,7 @@ class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's ev
     tree: Optional[str] = None  # dynamic tree "top_k,depth,total_tokens" (vat eval --tree); "chain" = no tree
     tree_policy: Optional[str] = None  # confidence | evict (| ecospec): which drafted tokens are verified
     verify_cost: Optional[str] = None  # EVICT's profile (vat profile --verify-widths); null = profiled on the fly
-    budgets: Optional[list[Optional[int]]] = None  # expert budgets B of this method's evaluation
+    budgets: Optional[list[Any]] = None  # expert budgets B of this method's evaluation (ints, null, auto)
     policy: Optional[str] = None  # budget policy (vat eval --policy)
     vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
     cost_model: Optional[str] = None  # roofline accelerator (h100 | h200 | a100 | l40s)
@@ -577,5 +577,6 @@ def _check_bench_eval(cfg: Any) -> None:
         if ev.cost_model is not None:
             get_accelerator(ev.cost_model)
         budgets = ev.budgets if ev.budgets is not None else [None]
-        if not budgets or any(b is not None and b < 1 for b in budgets):
-            raise VatError(f"bad value `{list(budgets)}` for bench config key `{where}.budgets`: budgets >= 1 or null")
+        if not budgets or not all(b is None or b == "auto" or (isinstance(b, int) and b >= 1) for b in budgets):
+            raise VatError(f"bad value `{list(budgets)}` for bench config key `{where}.budgets`: budgets >= 1, null "
+                           "or auto (a self-sized set, policy acceptmoe)")
