@@ -124,3 +124,36 @@ def test_window_phase_is_checked():
     with pytest.raises(VatError, match="2 budget window phases for a batch of 3"):
         window_groups(torch.arange(5).expand(3, 5), torch.ones(3, 5, dtype=torch.bool),
                       BudgetSpec(B=2, window=4, phase=[0, 1]))
+
+
+def _gap_module():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "budget_gap.py")
+    spec = importlib.util.spec_from_file_location("budget_gap", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_budget_gap_per_anchor_phase_makes_each_block_one_whole_window():
+    """benchmarks/budget_gap.py's per-anchor τ takes each anchor from the phase (root − segment start) mod W: under
+    that phase the anchor's block [root, root + W) ∩ its segment is exactly one window (slow per-anchor check)."""
+    gap = _gap_module()
+    gen = torch.Generator().manual_seed(11)
+    window, rows, length = 4, 3, 40
+    budgeted = _random_mask(gen, rows, length)
+    starts = gap.segment_starts(budgeted)
+    positions = torch.arange(length).expand(rows, length)
+    checked = 0
+    for b in range(rows):
+        for run in _runs(budgeted[b].tolist()):
+            for root in range(*run):
+                assert int(starts[b, root]) == run[0]
+                phase = [0] * rows
+                phase[b] = (root - int(starts[b, root])) % window
+                groups, _ = window_groups(positions, budgeted, BudgetSpec(B=2, window=window, phase=phase))
+                assert _exact(groups, b, run, root, window)
+                checked += 1
+    assert checked > 20 and (starts[~budgeted] == -1).all()
