@@ -133,7 +133,8 @@ def plan_cells(bench: Any, out: str) -> list[Cell]:
         for label, method in bench.methods.items():
             directory = os.path.join(out, "cells", label, f"seed{seed}")
             if method.get("draft"):
-                cells.append(Cell(label, int(seed), directory, draft=fill_placeholders(method.draft, int(seed), out)))
+                draft = os.path.abspath(fill_placeholders(method.draft, int(seed), out))  # relative: to the cwd
+                cells.append(Cell(label, int(seed), directory, draft=draft))
                 continue
             cells.append(Cell(label, int(seed), directory, train_config(bench, label, int(seed), directory)))
         if i == 0:
