@@ -1,5 +1,6 @@
 """The bench's figures (matplotlib, Agg backend): τ per benchmark with interval error bars for every method side by
-side, and τ against training tokens per method (mean over seeds with the seed range)."""
+side, τ against training tokens per method (mean over seeds with the seed range), and the Pareto plot of τ against
+expert MiB per generated token (every method x budget, agreement beside each budgeted point)."""
 
 from __future__ import annotations
 
@@ -88,11 +89,84 @@ def plot_tau_vs_tokens(summary: dict, path: str) -> str | None:
     return path
 
 
+PARETO_BYTES = 0.70  # issue 16's goal: <= 0.70x the reference's natural-routing expert bytes per token ...
+PARETO_TAU = 0.98  # ... at >= 0.98x its τ
+
+
+def pareto_points(summary: dict, bench: str) -> list[dict]:
+    """Every (method or baseline) x budget evaluated on ``bench`` with expert MiB per generated token:
+    ``{label, budget, mib, mib_low, mib_high, tau, tau_low, tau_high, agreement}`` (agreement None without a budget
+    or without quality figures)."""
+    points = []
+    for label in summary["methods"] + summary["baselines"]:
+        for budget in summary["budgets"]:
+            stats = summary["results"].get(label, {}).get(budget, {}).get(bench)
+            if not stats or stats["tau"]["value"] is None or not stats.get("expert_mib_per_token"):
+                continue
+            mib, tau = stats["expert_mib_per_token"], stats["tau"]
+            if mib["value"] is None:
+                continue
+            quality = stats.get("quality") or {}
+            points.append({"label": label, "budget": budget, "mib": mib["value"], "mib_low": mib["low"],
+                           "mib_high": mib["high"], "tau": tau["value"], "tau_low": tau["low"], "tau_high": tau["high"],
+                           "agreement": quality.get("agreement") if budget != NO_BUDGET else None})
+    return points
+
+
+def plot_pareto_bytes(summary: dict, path: str) -> str | None:
+    """τ against expert MiB per generated token, one panel per benchmark: one point per method x budget (colour =
+    method, marker = budget, error bars = the bootstrap intervals of both), each budgeted point labelled with its
+    budget and its agreement with the unbudgeted greedy output; dotted guides at the goal (<= 0.70x the reference's
+    natural MiB per token, >= 0.98x its τ). None when no cell has expert bytes yet.
+    """
+    benches = [b for b in summary["benchmarks"] if pareto_points(summary, b)]
+    if not benches:
+        return None
+    plt = _pyplot()
+    conf = round(100 * summary["interval"]["confidence"])
+    labels = summary["methods"] + summary["baselines"]
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    markers = {budget: "osD^v<>ph*"[i % 10] for i, budget in enumerate(summary["budgets"])}
+    fig, axes = plt.subplots(1, len(benches), figsize=(5.5 * len(benches), 4.5), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        points = pareto_points(summary, bench)
+        for p in points:
+            xerr = [[max(p["mib"] - p["mib_low"], 0.0)], [max(p["mib_high"] - p["mib"], 0.0)]]
+            yerr = [[max(p["tau"] - p["tau_low"], 0.0)], [max(p["tau_high"] - p["tau"], 0.0)]]
+            ax.errorbar(p["mib"], p["tau"], xerr=xerr, yerr=yerr,
+                        fmt=markers[p["budget"]], color=colors[p["label"]], capsize=2, markersize=6, linewidth=0.8)
+            if p["budget"] != NO_BUDGET:
+                agree = "agreement n/a" if p["agreement"] is None else f"{100 * p['agreement']:.1f} %"
+                ax.annotate(f"B={p['budget']}: {agree}", (p["mib"], p["tau"]), textcoords="offset points",
+                            xytext=(5, 4), fontsize=7, color=colors[p["label"]])
+        ref = next((p for p in points if p["label"] == summary["reference"] and p["budget"] == NO_BUDGET), None)
+        if ref is not None:
+            ax.axvline(PARETO_BYTES * ref["mib"], color="grey", linestyle=":", linewidth=1)
+            ax.axhline(PARETO_TAU * ref["tau"], color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel("expert MiB per generated token")
+        ax.set_ylabel("τ (tokens committed per verification round)")
+        ax.set_title(bench)
+        ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], color=colors[label], marker="o", linestyle="", label=label) for label in labels
+               if any(p["label"] == label for b in benches for p in pareto_points(summary, b))]
+    handles += [plt.Line2D([], [], color="black", marker=markers[b], linestyle="",
+                           label="natural routing" if b == NO_BUDGET else f"B = {b}") for b in summary["budgets"]]
+    axes[0][-1].legend(handles=handles, fontsize=7, loc="best")
+    goal = f"guides: {PARETO_BYTES:.2f}x {summary['reference']}'s natural MiB/token, {PARETO_TAU:.2f}x its τ"
+    fig.suptitle(f"τ against expert bytes per token, {conf} % bootstrap intervals ({goal})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_plots(summary: dict, out: str) -> list[str]:
-    """``tau_by_benchmark.png`` (``tau_by_benchmark_B<b>.png`` per budget) and ``tau_vs_tokens.png``."""
+    """``tau_by_benchmark.png`` (``tau_by_benchmark_B<b>.png`` per budget), ``tau_vs_tokens.png`` and
+    ``pareto_mib.png`` (τ against expert MiB per generated token, every method x budget)."""
     written = []
     for budget in summary["budgets"]:
         name = "tau_by_benchmark.png" if budget == NO_BUDGET else f"tau_by_benchmark_B{budget}.png"
         written.append(plot_tau_intervals(summary, budget, os.path.join(out, name)))
     written.append(plot_tau_vs_tokens(summary, os.path.join(out, "tau_vs_tokens.png")))
+    written.append(plot_pareto_bytes(summary, os.path.join(out, "pareto_mib.png")))
     return [p for p in written if p]

@@ -1,0 +1,46 @@
+"""The bench's Pareto plot (τ against expert MiB per generated token) on a small bench.json fixture."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from vat.bench.plots import pareto_points, plot_pareto_bytes, write_plots
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bench_small.json")
+
+
+def _summary() -> dict:
+    with open(FIXTURE) as f:
+        return json.load(f)
+
+
+def test_pareto_points_are_every_method_x_budget_with_bytes_and_quality_beside_budgeted_ones():
+    summary = _summary()
+    points = pareto_points(summary, "spec_bench")
+    keys = {(p["label"], p["budget"]) for p in points}
+    # eagle3 and vat at natural routing and B = 8, 4; vat_union0.1 natural only; AR; ngram has no bytes in the fixture
+    assert keys == {("eagle3", "none"), ("eagle3", "8"), ("eagle3", "4"), ("vat", "none"), ("vat", "8"),
+                    ("vat", "4"), ("vat_union0.1", "none"), ("none", "none")}
+    vat4 = next(p for p in points if p["label"] == "vat" and p["budget"] == "4")
+    stats = summary["results"]["vat"]["4"]["spec_bench"]
+    assert vat4["mib"] == stats["expert_mib_per_token"]["value"] and vat4["tau"] == stats["tau"]["value"]
+    assert vat4["agreement"] == stats["quality"]["agreement"]
+    assert all(p["agreement"] is None for p in points if p["budget"] == "none")
+    assert next(p for p in points if p["label"] == "eagle3" and p["budget"] == "8")["agreement"] is None  # no quality
+
+
+def test_pareto_plot_writes_a_png_per_bench_json_and_nothing_without_bytes(tmp_path):
+    summary = _summary()
+    path = plot_pareto_bytes(summary, str(tmp_path / "pareto.png"))
+    assert path and os.path.getsize(path) > 10_000
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    written = write_plots(summary, str(tmp_path))
+    assert str(tmp_path / "pareto_mib.png") in written
+    for label in summary["results"].values():  # an older bench.json: no expert bytes anywhere
+        for budget in label.values():
+            for stats in budget.values():
+                stats.pop("expert_mib_per_token", None)
+    assert plot_pareto_bytes(summary, str(tmp_path / "none.png")) is None
+    assert not os.path.exists(tmp_path / "none.png")
