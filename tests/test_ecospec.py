@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_eval_engine import greedy_reference, make_draft
 from tiny_models import tiny_model
-
 from vat.data_prep.affinity import affinity_from_routing
+
 from vat.errors import VatError
 from vat.eval.ecospec import EcoSpec, ExpertPredictor, ecospec_nodes
 from vat.eval.engine import SpeculativeEngine
