@@ -155,3 +155,16 @@ def test_evict_truncates_a_block_chain_with_its_q_rows():
     draft = ChainDraft(tokens=torch.tensor([4, 5, 6]), q=torch.rand(3, 9), probs=[0.99, 0.01, 0.9])
     out = evict.chain(draft, context=3, mode="block")
     assert out.tokens.tolist() == [4] and out.q.shape == (1, 9) and out.probs == [0.99]
+
+
+def test_evict_under_a_budget_and_when_sampling(setup):
+    """A budget caps the union EVICT prices; sampling through truncated chains and trees keeps working."""
+    model, target, drafts, prompts, model_cost, table = setup
+    capped = Evict(model_cost, table, budget=3)
+    assert all(u <= 3.0 for u in capped.union(16)) and max(Evict(model_cost, table).union(16)) > 3.0
+    for tree in (None, TreeSpec(3, 3, 8)):
+        engine = SpeculativeEngine(target, drafts["rigged"], steps=5, tree=tree, temperature=1.0, budget=3,
+                                   evict=Evict(model_cost, table, draft_shape(drafts["rigged"]), budget=3),
+                                   max_new_tokens=NEW_TOKENS)
+        gen = engine.generate(prompts[1], torch.Generator().manual_seed(0))
+        assert len(gen.token_ids) == NEW_TOKENS and all(max(r.union) <= 3 for r in gen.rounds)

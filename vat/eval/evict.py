@@ -111,14 +111,21 @@ class Evict:
         cost: the cost model (accelerator, target shape, served dtype).
         table: the verification-cost profile (union per width).
         draft: the draft's shape (its forwards' time is T_draft).
+        budget: the verification's expert budget B (an int caps the profiled union per layer at B; None = natural).
     """
 
     cost: CostModel
     table: VerifyCostTable
     draft: ModelShape | None = None
+    budget: int | None = None
+
+    def union(self, width: int) -> list[float]:
+        """Expected experts per MoE layer when verifying ``width`` tokens (the profile's, capped by the budget)."""
+        union = self.table.union_at(width)
+        return union if self.budget is None else [min(u, float(self.budget)) for u in union]
 
     def _verify(self, context: int) -> Callable[[int], float]:
-        return lambda n: self.cost.verify(n + 1, context, self.table.union_at(n + 1))
+        return lambda n: self.cost.verify(n + 1, context, self.union(n + 1))
 
     def tree(self, tree: DraftTree, context: int, top_k: int) -> DraftTree:
         """Truncate a drafted tree (``context``: the target's cached positions before the block)."""

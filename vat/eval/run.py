@@ -253,7 +253,8 @@ def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_
         from vat.eval.cost import draft_shape
         from vat.eval.evict import Evict
 
-        evict = Evict(evict[0], evict[1], draft_shape(drafter))
+        cap = config.budget if isinstance(config.budget, int) else None  # a fixed B caps the verified union
+        evict = Evict(evict[0], evict[1], draft_shape(drafter), budget=cap)
     return SpeculativeEngine(
         target, drafter, steps=steps, tree=tree if eagle else None, temperature=temperature,
         budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, evict=evict,
