@@ -136,6 +136,33 @@ class TrainConfig:
 
 
 @dataclass
+class WindowPoolLoraConfig:
+    """``window_pool.lora``: LoRA adapters (peft) on the target's attention / experts, merged into the written target."""
+
+    r: int = 8  # adapter rank
+    alpha: float = 16.0  # peft lora_alpha: the update is scaled by alpha / r
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # Linears
+    target_parameters: list[str] = field(default_factory=list)  # fused expert weights, e.g. [experts.gate_up_proj]
+
+
+@dataclass
+class WindowPoolConfig:
+    """``kind: window_pool``: continued pretraining of the target's routers so that the tokens of one window share a
+    pool of experts (DESIGN §13, vat/window_pool). W and d_w are drawn per step, uniformly from [lo, hi]."""
+
+    windows: list[int] = field(default_factory=lambda: [4, 16])  # W range: window length in positions
+    pools: list[int] = field(default_factory=lambda: [4, 8])  # d_w range: experts shared by a window (>= top_k)
+    layers: Optional[list[int]] = None  # decoder layers constrained; null = every MoE layer
+    unconstrained_frac: float = 0.25  # fraction of steps run with natural routing (keeps unconstrained quality)
+    aux_loss_coef: Optional[float] = None  # load-balancing weight; null = the target config's router_aux_loss_coef
+    pool_weight: float = 0.0  # weight of the pool-mass term: router mass outside the window's pool (0 = off)
+    loss_on: str = "all"  # all (every real next token, pretraining-style) | mask (the data's loss_mask only)
+    train_routers: bool = True  # the router gates train (with lora: also the adapters)
+    lora: Optional[WindowPoolLoraConfig] = None  # null = routers only
+
+
+@dataclass
 class WandbConfig:
     mode: str = "disabled"  # disabled | offline | online
     project: str = "vat"
@@ -150,6 +177,7 @@ class LoggingConfig:
 
 @dataclass
 class VatConfig:
+    kind: str = "draft"  # draft (train a speculative draft) | window_pool (continued pretraining of the target's routers)
     method: str = "eagle3"  # eagle3 | vat | dflash | dflash_vat : presets for the loss switches
     output_dir: str = "runs/default"
     seed: int = 0
@@ -161,6 +189,7 @@ class VatConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    window_pool: WindowPoolConfig = field(default_factory=WindowPoolConfig)  # used by kind: window_pool only
 
 
 METHOD_PRESETS: dict[str, dict[str, Any]] = {
@@ -314,6 +343,8 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[list[str]] = N
 
 # keys whose value is one of a fixed set; checked when the config loads, before any model is
 CHOICES: dict[str, tuple[str, ...]] = {
+    "kind": ("draft", "window_pool"),
+    "window_pool.loss_on": ("all", "mask"),
     "target.experts_impl": ("eager", "grouped_mm", "batched_mm", "triton"),
     "drafter.kind": ("eagle3", "dflash"),
     "loss.acceptance": ("greedy", "expected", "sampled"),

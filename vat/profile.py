@@ -142,6 +142,12 @@ def main(args: argparse.Namespace) -> int:
     from vat.eval.benchmarks import load_benchmark
     from vat.eval.prompts import render_chat
 
+    if getattr(args, "perplexity_grid", False):  # Window Pool's held-out perplexity grid (vat/window_pool)
+        from vat.window_pool.evaluate import main as grid_main
+
+        return grid_main(args)
+    if args.benchmark is None:
+        raise VatError("vat profile needs --benchmark (or --perplexity-grid)")
     if args.window < 1:
         raise VatError("--window must be >= 1")
     budget = parse_budget(args.budget)

@@ -35,6 +35,11 @@ VH_PREFIX = "verification_head."
 def cli_main(args) -> int:
     """`vat train` entry: build the config from the recipe and overrides, then :func:`main`."""
     cfg = load_config(args.recipe, args.overrides)
+    if cfg.kind == "window_pool":  # continued pretraining of the target's routers (vat/window_pool, DESIGN §13)
+        from vat.window_pool.train import main as window_pool_main
+
+        window_pool_main(cfg)
+        return 0
     main(cfg)
     return 0
 

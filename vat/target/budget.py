@@ -372,7 +372,8 @@ def apply_budget(
         budget: B for this layer; None = self-sized (``acceptmoe`` only).
         policy: ``substitute``, ``truncate`` or ``acceptmoe``.
         counts: if given, receives ``"uncovered"``: a 0-d int64 tensor, the budgeted tokens none of whose natural
-            experts is in S (no host sync: it stays on the device).
+            experts is in S (no host sync: it stays on the device); and, unless nothing is restricted (B >= E),
+            ``"allowed"``: (N, E) bool, each token's window set S (all True for unbudgeted tokens).
         token_weight: (N,) AcceptMoE's α per token (:func:`commitment_weights`); ``acceptmoe`` only.
         anchor: (N,) bool, the root token of each window; ``acceptmoe`` only.
         acceptmoe: its demand/anchor switches (default :class:`AcceptMoESpec`).
@@ -401,6 +402,8 @@ def apply_budget(
         allowed_sets = budget_sets(scores, ids, groups, n_groups, budget)  # (G, E)
     member = groups >= 0
     allowed = allowed_sets[groups.clamp_min(0)] | ~member[:, None]  # (N, E); unbudgeted tokens allow all
+    if counts is not None:
+        counts["allowed"] = allowed  # each token's set S, read by Window Pool training (vat/window_pool)
     in_set = torch.cat([allowed, torch.zeros_like(allowed[:, :1])], dim=1).gather(1, ids)  # (N, k)
     inside = in_set.all(dim=1)  # (N,) natural top-k already inside S
     uncovered = ~in_set.any(dim=1)  # (N,) no natural expert in S (never true for unbudgeted tokens)

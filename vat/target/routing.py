@@ -30,6 +30,8 @@ class _ForwardContext:
     uncovered: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE ordinal -> () tokens with no expert in S
     token_weight: torch.Tensor | None = None  # (N,) AcceptMoE's commitment weight per flattened token
     anchor: torch.Tensor | None = None  # (N,) bool, the root token of each window (AcceptMoE's anchor)
+    record_pools: bool = False  # keep each budgeted layer's router logits and allowed sets (Window Pool training)
+    pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # ordinal -> (logits, allowed)
 
 
 class RoutingController:
@@ -77,6 +79,8 @@ class RoutingController:
                     )
                     if "uncovered" in counts:
                         ctx.uncovered[ordinal] = counts["uncovered"]
+                    if ctx.record_pools and "allowed" in counts:
+                        ctx.pools[ordinal] = (logits, counts["allowed"])  # (N, E) each; logits keep their graph
             if ctx.capture:
                 ctx.captured[ordinal] = ids.detach()
             if self.fill_dropped_slots:
@@ -92,6 +96,7 @@ class RoutingController:
         n_groups: int = 0,
         budget: BudgetSpec | None = None,
         capture: bool = True,
+        record_pools: bool = False,
         token_weight: torch.Tensor | None = None,
         anchor: torch.Tensor | None = None,
     ):
@@ -102,13 +107,15 @@ class RoutingController:
             n_groups: number of windows.
             budget: the budget, or None for natural routing.
             capture: record the executed top-k ids.
+            record_pools: keep ``ctx.pools``: per budgeted MoE layer, its router logits (N, E) and each token's
+                allowed set (N, E) bool.
             token_weight: (B*T,) AcceptMoE's commitment weight per token (policy ``acceptmoe``).
             anchor: (B*T,) bool, each window's root token (policy ``acceptmoe``).
 
         Yields:
             The context; ``ctx.captured`` maps MoE-layer ordinal to (B*T, k) ids after the forward.
         """
-        ctx = _ForwardContext(budget=budget, groups=groups, n_groups=n_groups, capture=capture,
+        ctx = _ForwardContext(budget=budget, groups=groups, n_groups=n_groups, capture=capture, record_pools=record_pools,
                               token_weight=token_weight, anchor=anchor)
         previous, self._ctx = self._ctx, ctx
         try:
