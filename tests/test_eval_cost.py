@@ -28,7 +28,7 @@ def test_cost_model_and_evict_in_eval_json(saved, spec_bench_file):  # noqa: F81
     out = str(root / "cost")
     result = run_eval(target=target_dir, drafts=[draft_dir, "ngram"], benchmarks=[spec_bench_file], limit=2,
                       max_new_tokens=12, steps=4, tree_policy="evict", cost_model="a100", output=out,
-                      progress=False, plots=False)
+                      progress=False)
     assert result["settings"]["cost_model"] == "a100" and result["settings"]["tree_policy"] == "evict"
     assert result["cost_model"]["hbm_bytes_per_s"] == 2.039e12 and result["cost_model"]["served_bytes"] == 2
     assert result["evict_profile"]["source"].startswith("on the fly") and result["evict_profile"]["widths"][-1] == 5
@@ -55,6 +55,8 @@ def test_cost_model_and_evict_in_eval_json(saved, spec_bench_file):  # noqa: F81
     assert all(ids == by_draft["none"] for ids in by_draft.values())
     report = open(os.path.join(out, "report.md")).read()
     assert "### Modeled cost" in report and "modeled speed-up over AR" in report and "tree policy evict" in report
+    with open(os.path.join(out, "modeled_speedup.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("flags,message", [

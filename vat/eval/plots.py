@@ -122,10 +122,41 @@ def plot_union_vs_tau(result: dict, path: str) -> str:
     return path
 
 
+def plot_modeled_speedup(result: dict, path: str) -> str:
+    """Grouped bars: the cost model's modeled speed-up over AR per benchmark, one bar per draft x budget
+    (``--cost-model``; :mod:`vat.eval.cost`)."""
+    plt = _pyplot()
+    benches = result["benchmarks"]
+    configs = [(d, b) for d, per in result["results"].items() if d != AR_LABEL for b in per]
+    width = 0.8 / max(len(configs), 1)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(benches) + 0.4 * len(configs) + 2), 4))
+    for i, (draft, budget) in enumerate(configs):
+        per_bench = result["results"][draft][budget]
+        values = [((per_bench.get(b) or {}).get("cost") or {}).get("modeled_speedup_vs_ar") or 0.0 for b in benches]
+        xs = [j + (i - (len(configs) - 1) / 2) * width for j in range(len(benches))]
+        bars = ax.bar(xs, values, width=width, label=draft + ("" if budget == NO_BUDGET else f" (B={budget})"))
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1, label="autoregressive")
+    ax.set_ylim(0, 1.25 * max([1.0] + [bar.get_height() for bar in ax.patches]))
+    ax.set_xticks(range(len(benches)), benches)
+    ax.set_xlabel("benchmark")
+    ax.set_ylabel("modeled speed-up over AR")
+    model = result["cost_model"]
+    ax.set_title(f"Modeled speed-up on {model['label']} ({model['served_bytes']}-byte weights, roofline)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_plots(result: dict, output: str) -> dict[str, str]:
-    """Write the three PNGs into ``output``; return ``{title: path}``."""
-    return {
+    """Write the PNGs into ``output`` (the modeled speed-up too with a cost model); return ``{title: path}``."""
+    figures = {
         "τ per benchmark": plot_tau_by_benchmark(result, os.path.join(output, "tau_by_benchmark.png")),
         "acceptance by position": plot_accept_by_position(result, os.path.join(output, "accept_by_position.png")),
         "expert union vs τ": plot_union_vs_tau(result, os.path.join(output, "union_vs_tau.png")),
     }
+    if result.get("cost_model"):
+        figures["modeled speed-up over AR"] = plot_modeled_speedup(result, os.path.join(output, "modeled_speedup.png"))
+    return figures
