@@ -136,10 +136,11 @@ def batch_taus(trainer, batch: dict[str, torch.Tensor], draws: int) -> dict[str,
     return out
 
 
-def held_out_batches(trainer, n: int) -> tuple[list[list[int]], bool]:
-    """The first ``n`` batches of epoch 0 after the ones the run trained on; (batches, overlaps_training)."""
+def held_out_batches(trainer, n: int, start: int | None = None) -> tuple[list[list[int]], bool]:
+    """The first ``n`` batches of epoch 0 after the ones the run trained on (``start``: after that many, e.g. when
+    the run continued a draft trained on more of the same order); (batches, overlaps_training)."""
     epoch = trainer.batches.epoch(0)
-    used = int(trainer.cfg.train.max_steps or 0) * int(trainer.cfg.train.grad_accum)
+    used = int(trainer.cfg.train.max_steps or 0) * int(trainer.cfg.train.grad_accum) if start is None else start
     if used + n <= len(epoch):
         return epoch[used:used + n], False
     return epoch[-n:], True
@@ -183,6 +184,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None, help="B (default: the run's budget.B)")
     parser.add_argument("--eval", dest="eval_json", default=None, help="eval.json (default: RUN/eval/eval.json)")
     parser.add_argument("--batches", type=int, default=4, help="held-out batches")
+    parser.add_argument("--held-out-from", type=int, default=None,
+                        help="first held-out batch of epoch 0 (default: the run's max_steps x grad_accum)")
     parser.add_argument("--draws", type=int, default=2, help="seeded phase / offset draws of the one-forward layouts")
     parser.add_argument("--output", default=None, help="write the figures as JSON")
     args = parser.parse_args()
@@ -198,7 +201,7 @@ def main() -> None:
         try:
             from vat.data import collate
 
-            batches, overlap = held_out_batches(trainer, args.batches)
+            batches, overlap = held_out_batches(trainer, args.batches, args.held_out_from)
             sums: dict[str, tuple[float, float]] = {}
             for i, indices in enumerate(batches):
                 trainer.position.batch_index = 10_000 + i  # seeds the layouts (and DFlash anchors) per batch
