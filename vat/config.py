@@ -94,7 +94,7 @@ class BudgetConfig:
     policy: str = "substitute"  # substitute | truncate
     window: Optional[int] = None  # window length; null = ttt_steps + 1 (the verification block)
     align: str = "response"  # response: windows restart at each response segment, random phase per row and step |
-    # offset: one random offset per step over absolute positions (the old tiling); docs/vat_losses.md
+    # offset: one random offset per step over absolute positions (the old tiling; always with scope batch)
     scope: str = "sequence"  # sequence | batch
     train_mix: float = 0.0  # fraction of steps run unbudgeted
 

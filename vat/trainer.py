@@ -410,7 +410,8 @@ class Trainer:
         token_mask = None
         if budget is not None:
             token_mask = attention.bool() & batch["loss_mask"].bool()  # (B, T) budgeted positions
-            if self.cfg.budget.align == "response" and budget.phase is None:
+            # rows that share one window set (scope batch) cannot each restart at their own response
+            if self.cfg.budget.align == "response" and budget.phase is None and budget.scope == "sequence":
                 budget = replace(budget, phase=self._window_phases(input_ids.shape[0]))
         return self.target.forward(input_ids, attention_mask=attention, token_mask=token_mask, budget=budget)
 
