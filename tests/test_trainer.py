@@ -328,28 +328,30 @@ def test_budgeted_training_folds_natural_routing_into_the_affinity_table(workspa
 
 def test_budget_align_response_restarts_windows_at_the_response_and_offset_keeps_the_old_tiling(workspace, tmp_path):
     """budget.align=response: each row's windows start at its first response position plus that row's phase (seeded
-    per step and batch, so a rerun draws the same); budget.align=offset: the step's absolute offset tiling."""
+    per step and batch, so a rerun draws the same); budget.align=offset: the step's absolute offset tiling, which
+    scope=batch (rows sharing one window set) keeps whatever the alignment."""
     from vat.data import collate
     from vat.target.budget import window_groups
     from vat.trainer import Trainer
 
     groups = {}
-    for align in ("response", "offset"):
-        trainer = Trainer(_cfg(workspace, str(tmp_path / align), "method=vat", "budget.B=1", "drafter.ttt_steps=3",
-                               f"budget.align={align}", "target.experts_impl=eager"))
+    for align, scope in (("response", "sequence"), ("offset", "sequence"), ("response", "batch")):
+        trainer = Trainer(_cfg(workspace, str(tmp_path / f"{align}_{scope}"), "method=vat", "budget.B=1",
+                               "drafter.ttt_steps=3", f"budget.align={align}", f"budget.scope={scope}",
+                               "target.experts_impl=eager"))
         trainer.setup()
         try:
             batch = collate([trainer.dataset[i] for i in range(4)], trainer.pad_id)
             budget = trainer._budget_for_step(0)
-            groups[align] = trainer._target_forward(batch, budget).window_groups
+            got = groups[align, scope] = trainer._target_forward(batch, budget).window_groups
             again = trainer._target_forward(batch, budget).window_groups
             phases = trainer._window_phases(4)
         finally:
             trainer.close()
-        assert torch.equal(groups[align], again)
+        assert torch.equal(got, again)
         response = batch["attention_mask"].bool() & batch["loss_mask"].bool()
         positions = torch.arange(response.shape[1]).expand_as(response)
-        if align == "offset":
+        if align == "offset" or scope == "batch":  # rows sharing one window set keep the absolute tiling
             expected, _ = window_groups(positions, response, budget)
         else:
             from dataclasses import replace
@@ -357,9 +359,10 @@ def test_budget_align_response_restarts_windows_at_the_response_and_offset_keeps
             expected, _ = window_groups(positions, response, replace(budget, phase=phases))
             for b in range(4):
                 start = int(response[b].float().argmax())
-                first = groups[align][b, start]
+                first = got[b, start]
                 # the leading window is [start, start + phase) (the whole first window when the phase is 0)
-                assert int((groups[align][b] == first).sum()) == (phases[b] or 4)
-        assert torch.equal(groups[align], expected)
-    assert torch.equal(groups["response"] >= 0, groups["offset"] >= 0)  # the same budgeted cells, other windows
-    assert not torch.equal(groups["response"], groups["offset"])
+                assert int((got[b] == first).sum()) == (phases[b] or 4)
+        assert torch.equal(got, expected)
+    response, offset = groups["response", "sequence"], groups["offset", "sequence"]
+    assert torch.equal(response >= 0, offset >= 0)  # the same budgeted cells, other windows
+    assert not torch.equal(response, offset)
