@@ -58,6 +58,11 @@ def test_generation_sums_draft_and_verify_rounds_and_models_ar_on_the_same_token
     # AR: 4 steps (5 tokens, the first from the prefill), each 1 token with U = k = 2 per layer, at contexts 10..13
     ar = sum(1000 + 2 * 100 + 2 * 200 + (c + 1) * 8 for c in range(10, 14))
     assert out["modeled_ar_seconds"] == ar
+    # a round EVICT cut from depth 3 to depth 1 still ran its 3 draft forwards
+    cut = Generation(token_ids=[0, 1], rounds=[RoundStats(drafted=1, depth=1, accepted=0, reached=1, committed=1,
+                                                         union=[5, 6], drafted_depth=3)],
+                     target_forwards=2, seconds=1.0, prompt_tokens=10)
+    assert model.generation(cut, "chain", draft)["modeled_draft_seconds"] == draft1
     assert draft_forwards("tree", 4, top_k=3) == [1, 3, 3, 3]
     assert draft_forwards("block", 7) == [8] and draft_forwards("ngram", 5) == [] and draft_forwards("ar", 0) == []
 

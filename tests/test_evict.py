@@ -120,6 +120,7 @@ def test_evict_greedy_decoding_is_lossless(setup, tree):
             gen = engine.generate(prompt)
             assert gen.token_ids == greedy_reference(model, prompt, NEW_TOKENS), (name, prompt)
             truncated += sum(r.drafted < full for r in gen.rounds)
+            assert all(r.drafted_depth >= r.depth for r in gen.rounds)  # what the draft ran, before the cut
             if name == "rigged":
                 accepted += sum(r.accepted for r in gen.rounds)
     assert truncated > 0  # EVICT really cut blocks short

@@ -265,7 +265,8 @@ class CostModel:
         context = gen.prompt_tokens
         spent = drafting = 0.0
         for r in gen.rounds:
-            t_draft = self.draft(draft, draft_forwards(mode, r.depth, tree_top_k), context)
+            ran = r.depth if getattr(r, "drafted_depth", -1) < 0 else r.drafted_depth  # before EVICT's cut
+            t_draft = self.draft(draft, draft_forwards(mode, ran, tree_top_k), context)
             spent += t_draft + self.verify(r.drafted + 1, context, r.union)
             drafting += t_draft
             context += r.accepted + 1

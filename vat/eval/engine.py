@@ -57,6 +57,8 @@ class RoundStats:
         reached: draft positions reached by the left-to-right check (chain: min(a + 1, drafted)).
         committed: tokens committed this round and kept (a + 1, fewer when EOS / max-new-tokens cut the round).
         union: experts executed per MoE layer in the verification forward (sentinel slots excluded), length L'.
+        drafted_depth: depth the draft ran to before EVICT truncated the block (-1 = ``depth``: nothing truncated);
+            the cost model prices the draft forwards that really ran.
     """
 
     drafted: int
@@ -65,6 +67,7 @@ class RoundStats:
     reached: int
     committed: int = 0
     union: list[int] = field(default_factory=list)
+    drafted_depth: int = -1
 
 
 @dataclass
@@ -235,14 +238,10 @@ class SpeculativeEngine:
             return self._ar_round(cache, root, generator)
         if self.mode == "block":
             draft = draft_block(state, root, vh_threshold=self.vh_threshold, generator=generator)
-            if self.evict is not None:
-                draft = self.evict.chain(draft, cache_length(cache), "block")
-            return self._chain_round(cache, draft, root, generator)
+            return self._evicted_chain_round(cache, draft, root, generator)
         if self.mode == "chain":
             draft = draft_chain(state, head, self.steps, vh_threshold=self.vh_threshold, generator=generator)
-            if self.evict is not None:
-                draft = self.evict.chain(draft, cache_length(cache), "chain")
-            return self._chain_round(cache, draft, root, generator)
+            return self._evicted_chain_round(cache, draft, root, generator)
         if self.mode == "ngram":
             proposed = lookup.propose(self.steps)
             draft = ChainDraft(tokens=torch.tensor(proposed, dtype=torch.long, device=self.target.device), q=None)
@@ -250,6 +249,15 @@ class SpeculativeEngine:
         return self._tree_round(cache, state, head, root, generator)
 
     # ---- rounds --------------------------------------------------------------------------------------------------
+
+    def _evicted_chain_round(self, cache, draft: ChainDraft, root: int, generator) -> _Outcome:
+        """A chain (or DFlash block) round, the chain first truncated by EVICT when it is on."""
+        if self.evict is None:
+            return self._chain_round(cache, draft, root, generator)
+        drafted = int(draft.tokens.shape[0])
+        outcome = self._chain_round(cache, self.evict.chain(draft, cache_length(cache), self.mode), root, generator)
+        outcome.stats.drafted_depth = drafted
+        return outcome
 
     def _union(self, topk_ids: torch.Tensor) -> list[int]:
         """(L', 1, T, k) executed ids of one verification forward -> experts per layer (the block is one window)."""
@@ -289,6 +297,7 @@ class SpeculativeEngine:
         n = cache_length(cache)
         select = self.ecospec.selector(root) if self.ecospec is not None else None
         tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold, select=select)
+        drafted_depth = max(tree.depths, default=0)
         if self.evict is not None:
             tree = self.evict.tree(tree, n, self.tree.top_k)
         block = torch.tensor([[root] + tree.tokens], device=device)  # (1, N + 1)
@@ -308,7 +317,7 @@ class SpeculativeEngine:
         a = len(verdict.path) - 1
         stats = RoundStats(
             drafted=len(tree), depth=max(tree.depths, default=0), accepted=a, reached=verdict.reached,
-            union=self._union(out.topk_ids),
+            union=self._union(out.topk_ids), drafted_depth=drafted_depth if self.evict is not None else -1,
         )
         tokens = [tree.tokens[b - 1] for b in verdict.path[1:]] + [verdict.next_token]
         return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, path])
