@@ -169,3 +169,29 @@ def test_evict_under_a_budget_and_when_sampling(setup):
                                    max_new_tokens=NEW_TOKENS)
         gen = engine.generate(prompts[1], torch.Generator().manual_seed(0))
         assert len(gen.token_ids) == NEW_TOKENS and all(max(r.union) <= 3 for r in gen.rounds)
+
+
+def test_evict_on_dflash_blocks_is_lossless():
+    """EVICT truncates DFlash blocks (the drafter's per-slot probabilities) and the output stays the greedy decode."""
+    from test_dflash_eval import greedy_reference as dflash_reference
+    from test_dflash_eval import make_draft as make_dflash
+
+    model = tiny_model("olmoe", seed=2, vocab_size=16, num_layers=4)
+    target = load_target(model, device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 16, (n,), generator=gen).tolist() for n in (5, 11)]
+    model_cost = CostModel(get_accelerator("h200"), target_shape(target))
+    table = build_verify_cost(target, own_texts(target, prompts, NEW_TOKENS), [1, 2, 3, 5], cost=model_cost)
+    drafted = []
+    for rigged in (True, False):
+        draft = make_dflash(model, target, rigged=rigged)
+        engine = SpeculativeEngine(target, draft, evict=Evict(model_cost, table, draft_shape(draft)),
+                                   max_new_tokens=NEW_TOKENS)
+        assert engine.mode == "block"
+        for prompt in prompts:
+            out = engine.generate(prompt)
+            assert out.token_ids == dflash_reference(model, prompt, NEW_TOKENS), (rigged, prompt)
+            drafted += [r.drafted for r in out.rounds]
+            assert all(r.drafted_depth == 4 for r in out.rounds)  # block 5: four drafts ran every round
+    assert min(drafted) < 4  # EVICT cut some blocks
+    target.close()
