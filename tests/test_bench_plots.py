@@ -44,3 +44,23 @@ def test_pareto_plot_writes_a_png_per_bench_json_and_nothing_without_bytes(tmp_p
                 stats.pop("expert_mib_per_token", None)
     assert plot_pareto_bytes(summary, str(tmp_path / "none.png")) is None
     assert not os.path.exists(tmp_path / "none.png")
+
+
+def test_every_budgeted_row_of_the_bench_tables_has_its_quality_cells():
+    """bench.md: each τ under a budget sits beside its agreement and KL, or says the quality was not measured (an
+    eval without quality figures), and every row has as many cells as its table's header."""
+    from vat.bench.summary import markdown
+
+    summary = _summary()
+    summary["settings"] = {"eval": {"limit": 12, "max_new_tokens": 64, "steps": 7, "temperature": 0.0}}
+    text = markdown(summary)
+    tables = [block for block in text.split("## ")[1:] if "|" in block]
+    assert len(tables) == 6  # 2 benchmarks x (natural, B = 8, B = 4)
+    for block in tables:
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        assert all(row.count("|") == rows[0].count("|") for row in rows), block
+        if "expert budget" in block.splitlines()[0]:
+            assert "agreement | KL to natural" in rows[0]
+            cells = {row.split("|")[1].strip(): row.split("|")[3].strip() for row in rows[2:]}
+            assert cells["vat"] in ("97.0 %", "87.0 %")
+            assert cells["eagle3"].startswith("not measured")  # the fixture's eagle3 has no quality figures

@@ -350,7 +350,8 @@ def markdown(summary: dict) -> str:
                 seeds = str(len(stats["seeds"])) if stats["seeds"] else "–"
                 minutes = f"{train[label]['minutes_per_draft']:.2f}" if label in train else "–"
                 against = "".join(f"{_fmt(stats.get('versus', {}).get(b))} | " for b in versus)
-                quality = _quality_cells(stats.get("quality", {}) if budgeted else None)
+                # a budgeted row always has its quality cells: {} (not measured) when the eval.json had none
+                quality = _quality_cells((stats.get("quality") or {}) if budgeted else None)
                 cost = ""
                 if modeled:
                     mratio = "1 (reference)" if ratio and ratio.get("reference") else _fmt(stats.get("modeled_ratio"))
