@@ -64,3 +64,23 @@ def test_every_budgeted_row_of_the_bench_tables_has_its_quality_cells():
             cells = {row.split("|")[1].strip(): row.split("|")[3].strip() for row in rows[2:]}
             assert cells["vat"] in ("97.0 %", "87.0 %")
             assert cells["eagle3"].startswith("not measured")  # the fixture's eagle3 has no quality figures
+
+
+def test_eval_pareto_on_expert_mib_per_token(tmp_path):
+    """vat eval's mib_vs_tau.png: τ against expert MiB per generated token through each draft's budgets; nothing
+    without expert bytes (an older eval.json)."""
+    from vat.eval.plots import plot_mib_vs_tau
+
+    quality = {"agreement": 0.96, "kl_to_natural": 0.02}
+    result = {"pooled": {
+        "vat": {"none": {"tau": 3.3, "expert_bytes_per_token": 7.4e6},
+                "8": {"tau": 3.0, "expert_bytes_per_token": 5.1e6, "quality": quality},
+                "4": {"tau": 2.4, "expert_bytes_per_token": 3.0e6, "quality": quality}},
+        "none": {"none": {"tau": 1.0, "expert_bytes_per_token": 7.1e6}},
+    }}
+    path = plot_mib_vs_tau(result, str(tmp_path / "mib.png"))
+    assert path and os.path.getsize(path) > 10_000
+    for per_budget in result["pooled"].values():
+        for entry in per_budget.values():
+            entry.pop("expert_bytes_per_token")
+    assert plot_mib_vs_tau(result, str(tmp_path / "none.png")) is None

@@ -122,6 +122,43 @@ def plot_union_vs_tau(result: dict, path: str) -> str:
     return path
 
 
+def plot_mib_vs_tau(result: dict, path: str) -> str | None:
+    """Pareto scatter on bytes: expert MiB read per generated token (x) vs τ (y), one line per draft through its
+    budgets, each budgeted point labelled with its budget and quality; the autoregressive baseline as a reference.
+    None when no pooled entry has expert bytes."""
+    mib = 1024.0 ** 2
+    series = {}
+    for draft, per_budget in result["pooled"].items():
+        points = [(m["expert_bytes_per_token"] / mib, m["tau"], b, m.get("quality")) for b, m in per_budget.items()
+                  if m.get("expert_bytes_per_token") is not None and m.get("tau") is not None]
+        if points:
+            series[draft] = sorted(points, key=lambda p: p[0])
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for draft, points in series.items():
+        if draft == AR_LABEL:
+            ax.scatter([p[0] for p in points], [p[1] for p in points], marker="s", color="grey",
+                       label="autoregressive")
+            continue
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=draft)
+        for x, y, b, q in points:
+            if b == NO_BUDGET:
+                continue
+            note = f"B={b}" + ("" if not q else _quality_note(q))  # a budgeted τ is never shown without its quality
+            ax.annotate(note, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("expert MiB read per generated token")
+    ax.set_ylabel("τ (tokens committed per verification round)")
+    ax.set_title("Expert bytes per token vs acceptance length across budgets")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_modeled_speedup(result: dict, path: str) -> str:
     """Grouped bars: the cost model's modeled speed-up over AR per benchmark, one bar per draft x budget
     (``--cost-model``; :mod:`vat.eval.cost`)."""
@@ -157,6 +194,9 @@ def write_plots(result: dict, output: str) -> dict[str, str]:
         "acceptance by position": plot_accept_by_position(result, os.path.join(output, "accept_by_position.png")),
         "expert union vs τ": plot_union_vs_tau(result, os.path.join(output, "union_vs_tau.png")),
     }
+    mib = plot_mib_vs_tau(result, os.path.join(output, "mib_vs_tau.png"))
+    if mib:
+        figures["expert MiB per token vs τ"] = mib
     if result.get("cost_model"):
         figures["modeled speed-up over AR"] = plot_modeled_speedup(result, os.path.join(output, "modeled_speedup.png"))
     return figures
