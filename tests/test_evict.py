@@ -195,3 +195,11 @@ def test_evict_on_dflash_blocks_is_lossless():
             assert all(r.drafted_depth == 4 for r in out.rounds)  # block 5: four drafts ran every round
     assert min(drafted) < 4  # EVICT cut some blocks
     target.close()
+
+
+def test_tree_rounds_record_every_level_the_draft_drafted(setup):
+    """The draft runs `depth` levels whatever the selection keeps: the cost model prices those forwards."""
+    _, target, drafts, prompts, _, _ = setup
+    engine = SpeculativeEngine(target, drafts["random"], tree=TreeSpec(4, 5, 3), max_new_tokens=12)
+    rounds = engine.generate(prompts[0]).rounds
+    assert all(r.drafted_depth == 5 for r in rounds) and max(r.depth for r in rounds) < 5  # 3 nodes of 5 levels

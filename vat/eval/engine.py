@@ -57,8 +57,8 @@ class RoundStats:
         reached: draft positions reached by the left-to-right check (chain: min(a + 1, drafted)).
         committed: tokens committed this round and kept (a + 1, fewer when EOS / max-new-tokens cut the round).
         union: experts executed per MoE layer in the verification forward (sentinel slots excluded), length L'.
-        drafted_depth: depth the draft ran to before EVICT truncated the block (-1 = ``depth``: nothing truncated);
-            the cost model prices the draft forwards that really ran.
+        drafted_depth: depth the draft ran to (a tree's levels drafted, whatever its selection kept; a chain's length
+            before EVICT cut it; -1 = ``depth``); the cost model prices the draft forwards that really ran.
     """
 
     drafted: int
@@ -297,7 +297,7 @@ class SpeculativeEngine:
         n = cache_length(cache)
         select = self.ecospec.selector(root) if self.ecospec is not None else None
         tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold, select=select)
-        drafted_depth = max(tree.depths, default=0)
+        drafted_depth = tree.drafted_depth  # levels drafted: the selection (and EVICT) may keep fewer
         if self.evict is not None:
             tree = self.evict.tree(tree, n, self.tree.top_k)
         block = torch.tensor([[root] + tree.tokens], device=device)  # (1, N + 1)
@@ -317,7 +317,7 @@ class SpeculativeEngine:
         a = len(verdict.path) - 1
         stats = RoundStats(
             drafted=len(tree), depth=max(tree.depths, default=0), accepted=a, reached=verdict.reached,
-            union=self._union(out.topk_ids), drafted_depth=drafted_depth if self.evict is not None else -1,
+            union=self._union(out.topk_ids), drafted_depth=drafted_depth,
         )
         tokens = [tree.tokens[b - 1] for b in verdict.path[1:]] + [verdict.next_token]
         return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, path])

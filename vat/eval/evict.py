@@ -77,6 +77,7 @@ def subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
         out.scores.append(tree.scores[old])
     if getattr(tree, "vh", None) is not None:
         out.vh = [tree.vh[i] for i in keep]
+    out.drafted_depth = tree.drafted_depth
     return out
 
 
@@ -131,7 +132,8 @@ class Evict:
         """Truncate a drafted tree (``context``: the target's cached positions before the block)."""
         if not len(tree):
             return tree
-        t_draft = self.cost.draft(self.draft, draft_forwards("tree", max(tree.depths), top_k), context)
+        t_draft = self.cost.draft(self.draft, draft_forwards("tree", max(tree.drafted_depth, max(tree.depths)), top_k),
+                                  context)
         keep = evict_select(tree_probs(tree), tree.parents, tree.depths, self._verify(context), t_draft)
         return tree if len(keep) == len(tree) else subtree(tree, keep)
 

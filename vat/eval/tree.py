@@ -67,6 +67,7 @@ class DraftTree:
     depths: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     vh: list[float] | None = None
+    drafted_depth: int = 0  # levels the draft drafted (its forwards), whatever the selection kept
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -163,7 +164,9 @@ def build_tree(
             break
         frontier = _expand(state, head, pool, frontier, prefix, depth, spec.top_k, threshold)
     state.cache.crop(prefix)
-    return tree_of(pool, (select or best_nodes)(pool, spec.total_tokens))
+    tree = tree_of(pool, (select or best_nodes)(pool, spec.total_tokens))
+    tree.drafted_depth = max((node.depth for node in pool), default=0)  # the cost model prices these forwards
+    return tree
 
 
 def _expand(
