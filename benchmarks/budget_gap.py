@@ -146,16 +146,19 @@ def held_out_batches(trainer, n: int, start: int | None = None) -> tuple[list[li
     return epoch[-n:], True
 
 
-def eval_figures(eval_json: str | None, budget: int | None) -> dict[str, dict]:
-    """``{draft: {"tau", "tau_natural", "agreement"}}`` pooled over benchmarks from eval.json (None where absent)."""
+def eval_figures(eval_json: str | None, budget: int | None, final: str | None = None) -> dict[str, dict]:
+    """``{draft: {"tau", "tau_natural", "agreement"}}`` pooled over benchmarks from eval.json (None where absent);
+    only the draft evaluated from ``final`` when the eval.json names it (else every draft)."""
     if eval_json is None:
         return {}
     with open(eval_json) as f:
         data = json.load(f)
     label = "none" if budget is None else str(budget)
+    paths = {d: os.path.realpath(e.get("path") or "") for d, e in data.get("drafts", {}).items()}
+    mine = [d for d, path in paths.items() if final is not None and path == os.path.realpath(final)]
     out = {}
     for draft, by_budget in data.get("pooled", {}).items():
-        if draft == "none":
+        if draft == "none" or (mine and draft not in mine):
             continue
         entry, natural = by_budget.get(label), by_budget.get("none")
         out[draft] = {
@@ -214,7 +217,7 @@ def main() -> None:
             trainer.close()
     taus = {name: (s / n if n else math.nan) for name, (s, n) in sums.items()}
     anchors = int(sums["natural"][1])
-    figures = eval_figures(eval_json, int(budget))
+    figures = eval_figures(eval_json, int(budget), os.path.join(train_dir, "final"))
     logged = last_logged_tau(train_dir)
     report = {"run": args.run, "budget": int(budget), "window": None, "held_out_batches": len(batches),
               "overlaps_training": overlap, "anchors": anchors, "tau_sim": taus, "logged_tau_sim": logged,
