@@ -84,3 +84,23 @@ def test_eval_pareto_on_expert_mib_per_token(tmp_path):
         for entry in per_budget.values():
             entry.pop("expert_bytes_per_token")
     assert plot_mib_vs_tau(result, str(tmp_path / "none.png")) is None
+
+
+def test_a_method_label_with_a_dot_is_refused_in_one_line(tmp_path):
+    """`vat_union0.1` would split `methods.vat_union0.1.recipe` into other config keys (it crashed the key check):
+    one clear line instead, in the YAML and in an override; the packaged union bench's labels load."""
+    import pytest
+
+    from vat.config import load_bench_config
+    from vat.errors import VatError
+
+    config = tmp_path / "bench.yaml"
+    config.write_text("methods:\n  vat_union0.1:\n    recipe: tiny/eagle3_vat.yaml\nreference: vat_union0.1\n")
+    with pytest.raises(VatError, match="method label `vat_union0.1` must be letters, digits and _ \\+ -"):
+        load_bench_config(str(config))
+    config.write_text("methods:\n  vat:\n    recipe: tiny/eagle3_vat.yaml\nreference: vat\n")
+    with pytest.raises(VatError):
+        load_bench_config(str(config), ["methods.vat_u0.1.recipe=tiny/eagle3_vat.yaml"])
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench = load_bench_config(os.path.join(repo, "recipes", "bench", "tiny_union.yaml"))
+    assert {"vat_union_0p1", "vat_union_0p4", "vat_union_1p6"} <= set(bench.methods)

@@ -462,7 +462,7 @@ class BenchConfig:
     bootstrap: BenchBootstrapConfig = field(default_factory=BenchBootstrapConfig)
 
 
-_BENCH_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # method labels name directories
+_BENCH_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_+-]*$")  # method labels name directories and config keys
 
 
 def _bench_schema(labels: list[str]) -> DictConfig:
@@ -518,6 +518,8 @@ def load_bench_config(path: Optional[str], overrides: Optional[list[str]] = None
         if "=" not in item:
             raise VatError(f"override `{item}` is not of the form key.sub=value")
     labels = list((user.get("methods") or {}).keys())
+    for label in labels:  # before the key check: a `.` would split `methods.<label>.recipe` into other keys
+        _check_label(label)
     labels += [i.split("=", 1)[0].lstrip("+").split(".")[1] for i in items
                if i.lstrip("+").startswith("methods.") and i.count(".", 0, i.find("=")) >= 2]
     schema = _bench_schema(list(dict.fromkeys(labels)))
@@ -543,13 +545,19 @@ def load_bench_config(path: Optional[str], overrides: Optional[list[str]] = None
     return cfg  # type: ignore[return-value]
 
 
+def _check_label(label: Any) -> None:
+    """A method label names a directory and the dotted config key ``methods.<label>``: no `.` in it."""
+    if not _BENCH_LABEL.match(str(label)):
+        raise VatError(f"method label `{label}` must be letters, digits and _ + - (it names a directory and the config "
+                       "key methods.<label>: write 0.1 as 0p1)")
+
+
 def _check_bench(cfg: Any) -> None:
     """Reject a bench that cannot produce its table, with one line naming the key."""
     if not cfg.methods:
         raise VatError("bench config has no `methods` (label: {recipe: ..., overrides: [...]})")
     for label, method in cfg.methods.items():
-        if not _BENCH_LABEL.match(label):
-            raise VatError(f"method label `{label}` must be letters, digits and _ . + - (it names a directory)")
+        _check_label(label)
         if not method.recipe and not method.draft:
             raise VatError(f"bench config key `methods.{label}.recipe` is empty: name the training recipe (or "
                            f"`methods.{label}.draft`, an existing draft to evaluate)")
