@@ -86,9 +86,13 @@ def test_enumerated_values_are_checked_at_load_time():
 
 def test_config_choices_match_the_modules_that_use_them():
     from vat.config import CHOICES
-    from vat.target.budget import POLICIES, SCOPES
+    from vat.target.budget import POLICIES, SCOPES, TRAINING_POLICIES
     from vat.target.model import EXPERTS_IMPLS
     from vat.verify import ACCEPTANCE_RULES
 
-    assert CHOICES["budget.policy"] == POLICIES and CHOICES["budget.scope"] == SCOPES
+    # a training recipe takes MoE-Spec's policies; AcceptMoE (eval only) is refused at load in one line
+    assert CHOICES["budget.policy"] == TRAINING_POLICIES and set(POLICIES) - set(TRAINING_POLICIES) == {"acceptmoe"}
+    assert CHOICES["budget.scope"] == SCOPES
+    with pytest.raises(VatError, match="`acceptmoe` for config key `budget.policy`"):
+        load_config(None, ["budget.policy=acceptmoe"])
     assert CHOICES["target.experts_impl"] == EXPERTS_IMPLS and CHOICES["loss.acceptance"] == ACCEPTANCE_RULES

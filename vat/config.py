@@ -350,7 +350,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss.acceptance": ("greedy", "expected", "sampled"),
     "loss.union_norm": ("grad_ratio", "none"),
     "drafter.vh_input": ("normed", "prenorm"),
-    "budget.policy": ("substitute", "truncate"),
+    "budget.policy": ("substitute", "truncate"),  # vat.target.budget.TRAINING_POLICIES (acceptmoe: vat eval only)
     "budget.scope": ("sequence", "batch"),
     "budget.align": ("response", "offset"),
     "train.scheduler": ("cosine", "constant"),

@@ -31,7 +31,8 @@ import torch
 from vat.errors import VatError
 from vat.target.families import FamilyAdapter
 
-POLICIES = ("substitute", "truncate", "acceptmoe")
+TRAINING_POLICIES = ("substitute", "truncate")  # MoE-Spec; the policies `budget.policy` of a training recipe takes
+POLICIES = TRAINING_POLICIES + ("acceptmoe",)  # + AcceptMoE: eval only (its commitment estimate comes from a draft's eval)
 SCOPES = ("sequence", "batch")
 AUTO = "auto"  # B of a self-sized policy (acceptmoe): the policy picks |S| per window and layer
 DEMANDS = ("natural", "score")
