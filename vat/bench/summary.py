@@ -76,9 +76,10 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
     return rows
 
 
-def _rows(entry: dict, seeds: list) -> tuple[np.ndarray, np.ndarray]:
+def _rows(entry: dict, seeds: list, keys: tuple[str, str] = ("committed", "rounds")) -> tuple[np.ndarray, np.ndarray]:
+    """The entry's two per-(seed, prompt) arrays ``keys`` for ``seeds``, in that order."""
     index = [entry["seeds"].index(s) for s in seeds]
-    return entry["committed"][index], entry["rounds"][index]
+    return entry[keys[0]][index], entry[keys[1]][index]
 
 
 def method_statistics(rows: dict, labels: list[str], reference: str, budgets: list[str], boot: Any,
@@ -133,11 +134,9 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
                     stats["ratio"] = {**ratio.to_dict(), "seeds": common}
                     if "modeled_speedup" in stats and ref.get("modeled_seconds") is not None:
                         # the modeled speed-up over the reference's, paired as τ's ratio
-                        pick = (lambda e, k: e[k]) if entry["seeds"] == [None] else (
-                            lambda e, k: e[k][[e["seeds"].index(s) for s in common]])
-                        est = paired_ratio(pick(entry, "modeled_ar_seconds"), pick(entry, "modeled_seconds"),
-                                           ref["modeled_ar_seconds"][[ref["seeds"].index(s) for s in common]],
-                                           ref["modeled_seconds"][[ref["seeds"].index(s) for s in common]], **kw)
+                        keys = ("modeled_ar_seconds", "modeled_seconds")
+                        own = (entry[keys[0]], entry[keys[1]]) if entry["seeds"] == [None] else _rows(entry, common, keys)
+                        est = paired_ratio(*own, *_rows(ref, common, keys), **kw)
                         stats["modeled_ratio"] = est.to_dict()
         if entry["seeds"] != [None]:
             stats["versus"] = {}
