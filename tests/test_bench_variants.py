@@ -106,6 +106,43 @@ def test_existing_drafts_under_eval_variants_resume_and_are_keyed_by_overrides(t
     assert out.count("finished earlier, skipped") == 2 and "tree_evict seed 0: τ" in out
 
 
+def test_a_draft_made_by_an_earlier_cell_is_hashed_when_its_cell_runs(tmp_path, capsys, monkeypatch, one_thread):
+    # tiny_budget / tiny_union evaluate a draft that an earlier cell of the same bench trains: hashed at the start
+    # (missing), the cell's record kept a fingerprint a rerun never matched, so every rerun evaluated it again
+    import vat.bench.run as bench_run
+
+    late_root = str(tmp_path / "bench" / "made")  # _save_draft writes late_root/seed0/final
+    config = tmp_path / "late.yaml"
+    config.write_text(f"""
+name: late
+output_dir: {tmp_path}/bench
+seeds: [0]
+methods:
+  first:
+    draft: {_save_draft(str(tmp_path / "drafts"))}
+  later:
+    draft: "{{bench_dir}}/made/seed{{seed}}/final"
+baselines: []
+reference: first
+eval: {{benchmarks: [spec_bench], limit: 1, max_new_tokens: 4, steps: 2}}
+bootstrap: {{samples: 50}}
+""")
+    real_run_cell = bench_run.run_cell
+
+    def run_cell_then_make_the_draft(bench, cell, *args, **kwargs):
+        record = real_run_cell(bench, cell, *args, **kwargs)
+        if cell.method == "first":  # what a training cell does: the next cell's draft appears
+            _save_draft(late_root)
+        return record
+
+    monkeypatch.setattr(bench_run, "run_cell", run_cell_then_make_the_draft)
+    run_bench = bench_run.run_bench
+    assert run_bench(load_bench_config(str(config)), progress=False)["progress"]["complete"]
+    capsys.readouterr()
+    run_bench(load_bench_config(str(config)), progress=False)
+    assert capsys.readouterr().out.count("finished earlier, skipped") == 2
+
+
 def test_settings_of_benches_without_variants_are_unchanged():
     from vat.bench.cells import eval_settings
 

@@ -120,8 +120,11 @@ def run_bench(bench: Any, progress: bool | None = None) -> dict:
           f"{len(bench.baselines)} baselines = {len(cells)} cells -> {out}", flush=True)
     fingerprints = [cell_fingerprint(bench, cell, target) for cell in cells]
     eta = Eta(cells)
-    for i, (cell, fingerprint) in enumerate(zip(cells, fingerprints), 1):
+    for i, cell in enumerate(cells, 1):
         head = f"[vat bench {i}/{len(cells)}] {cell.name}"
+        if cell.draft is not None:  # a draft an earlier cell of this bench trains exists only now: hash it now
+            fingerprints[i - 1] = cell_fingerprint(bench, cell, target)
+        fingerprint = fingerprints[i - 1]
         if finished(cell, fingerprint, bench, target) is not None:
             eta.done(cell, None)
             print(f"{head}: finished earlier, skipped | {eta.text()}", flush=True)
