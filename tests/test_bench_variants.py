@@ -143,6 +143,74 @@ bootstrap: {{samples: 50}}
     assert capsys.readouterr().out.count("finished earlier, skipped") == 2
 
 
+def test_methods_on_their_own_targets_run_side_by_side(tmp_path, capsys, one_thread):
+    # the Window Pool comparison: the same draft on the base target and on a second target, one bench, one table
+    import shutil
+
+    from vat.bench.cells import plan_cells, train_config
+    from vat.bench.run import run_bench
+    from vat.paths import resolve_target_path
+
+    base = resolve_target_path("tiny-quick")
+    other = str(tmp_path / "other-target")
+    shutil.copytree(base, other, ignore=shutil.ignore_patterns("*.lock"))
+    draft = _save_draft(str(tmp_path / "drafts"))
+    config = tmp_path / "targets.yaml"
+    config.write_text(f"""
+name: targets
+output_dir: {tmp_path}/bench
+seeds: [0]
+methods:
+  on_base:
+    draft: {draft}
+  on_other:
+    draft: {draft}
+    target: {other}
+  trained_on_other:
+    recipe: tiny/eagle3.yaml
+    overrides: [target.path=tiny-quick]
+    target: {other}
+baselines: []
+reference: on_base
+eval: {{benchmarks: [spec_bench], limit: 1, max_new_tokens: 4, steps: 2}}
+bootstrap: {{samples: 50}}
+""")
+    bench = load_bench_config(str(config))
+    cells = plan_cells(bench, str(tmp_path / "bench"))
+    assert [c.target for c in cells] == [None, other, other]
+    # the method's own target wins over a target.path override; the others' shared target is untouched
+    assert train_config(bench, "trained_on_other", 0, cells[2].directory).target.path == other
+    del bench.methods["trained_on_other"]  # the run: the two draft cells (training is covered elsewhere)
+    summary = run_bench(bench, progress=False)
+    assert summary["target"] == base and summary["progress"]["complete"]
+    for label, target in (("on_base", base), ("on_other", other)):
+        settings = json.loads((tmp_path / "bench" / "cells" / label / "seed0" / "eval" / "bench_settings.json")
+                              .read_text())
+        assert settings["target"] == target
+    md = (tmp_path / "bench" / "bench.md").read_text()
+    assert "| target |" in md and f"| on_other | {draft} | {other} |" in md
+    assert summary["results"]["on_other"]["none"]["spec_bench"]["ratio"]["value"] > 0
+    capsys.readouterr()
+    run_bench(bench, progress=False)
+    assert capsys.readouterr().out.count("finished earlier, skipped") == 2
+
+
+def test_methods_on_different_targets_without_their_own_target_key_are_refused(tmp_path):
+    from vat.bench.cells import plan_cells
+
+    config = tmp_path / "mixed.yaml"
+    config.write_text("""
+name: mixed
+seeds: [0]
+methods:
+  a: {recipe: tiny/eagle3.yaml, overrides: [target.path=tiny-quick]}
+  b: {recipe: tiny/eagle3.yaml, overrides: [target.path=/elsewhere]}
+reference: a
+""")
+    with pytest.raises(VatError, match=r"different targets.*methods.<label>.target"):
+        plan_cells(load_bench_config(str(config)), str(tmp_path / "bench"))
+
+
 def test_settings_of_benches_without_variants_are_unchanged():
     from vat.bench.cells import eval_settings
 
@@ -169,3 +237,15 @@ def test_variant_config_errors_are_one_line(tmp_path):
 
     with pytest.raises(VatError, match="draft .*nowhere/seed0/final not found"):
         run_bench(load_bench_config(config), progress=False)
+
+
+@pytest.mark.parametrize("recipe", sorted(os.listdir(os.path.join(REPO, "recipes", "bench"))))
+def test_every_bench_recipe_loads_and_plans(recipe, tmp_path):
+    from vat.bench.cells import plan_cells
+
+    bench = load_bench_config(os.path.join(REPO, "recipes", "bench", recipe))
+    cells = plan_cells(bench, str(tmp_path / "bench"))
+    assert len(cells) == len(bench.methods) * len(bench.seeds) + len(bench.baselines)
+    if recipe == "tiny_window_pool.yaml":  # the Window Pool method trains for its own target, base for the tiny one
+        own = {c.method: c.train_cfg.target.path for c in cells if c.seed == 0}
+        assert own["base"] == "tiny" and own["window_pool"].endswith("runs/tiny-window_pool/final")

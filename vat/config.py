@@ -415,6 +415,7 @@ class BenchMethodConfig:
     recipe: str = ""  # training recipe: a path, or a packaged name such as tiny/eagle3.yaml
     overrides: list[str] = field(default_factory=list)  # dotted overrides for this method only (after train_overrides)
     draft: str = ""  # instead of a recipe: an existing draft dir, evaluated as it is ({bench_dir}, {seed} filled)
+    target: str = ""  # this method's own target (a path or tiny name): trained and evaluated on it, side by side
     eval: BenchMethodEvalConfig = field(default_factory=BenchMethodEvalConfig)  # this method's eval overrides
 
 

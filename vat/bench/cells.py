@@ -42,6 +42,7 @@ class Cell:
         directory: ``output_dir/cells/<method>/seed<k>`` or ``output_dir/cells/<baseline>``.
         train_cfg: the resolved training config (None for a baseline or a draft cell).
         draft: a draft cell's draft directory (placeholders filled), else None.
+        target: the method's own target (``methods.<label>.target``, placeholders filled), else None: the bench's.
     """
 
     method: str
@@ -49,6 +50,15 @@ class Cell:
     directory: str
     train_cfg: Any = None
     draft: str | None = None
+    target: str | None = None
+
+    def target_dir(self, bench_target: str) -> str:
+        """The target directory this cell trains and evaluates on: its method's own, else the bench's."""
+        if self.target is None:
+            return bench_target
+        from vat.paths import resolve_target_path
+
+        return resolve_target_path(self.target)
 
     @property
     def trained(self) -> bool:
@@ -95,6 +105,9 @@ def train_config(bench: Any, label: str, seed: int, directory: str) -> Any:
     forced = [f"seed={seed}", f"output_dir={os.path.join(directory, 'train')}", "resume=auto", "train.log_every=1"]
     bench_dir = os.path.dirname(os.path.dirname(os.path.dirname(directory)))  # directory = bench_dir/cells/label/seedK
     overrides = [fill_placeholders(o, seed, bench_dir) for o in [*bench.train_overrides, *method.overrides]]
+    own = method_target(method, seed, bench_dir)
+    if own is not None:  # the method's own target wins over any target.path override
+        overrides.append(f"target.path={own}")
     cfg = load_config(resolve_recipe(method.recipe), [*overrides, *forced])
     steps = sorted(set(bench.curve.steps))
     if steps:
@@ -108,6 +121,15 @@ def train_config(bench: Any, label: str, seed: int, directory: str) -> Any:
             cfg.train.save_every = math.gcd(*inner)
         cfg.train.keep_last = 0
     return cfg
+
+
+def method_target(method: Any, seed: int, bench_dir: str) -> str | None:
+    """A method's own target (``methods.<label>.target``, placeholders filled; an existing relative directory made
+    absolute, read from the cwd like a draft path; a tiny or hub name as it is), or None."""
+    if not method.get("target"):
+        return None
+    own = fill_placeholders(method.target, seed, bench_dir)
+    return os.path.abspath(own) if os.path.isdir(own) else own
 
 
 def fill_placeholders(override: str, seed: int, bench_dir: str) -> str:
@@ -132,17 +154,19 @@ def plan_cells(bench: Any, out: str) -> list[Cell]:
     for i, seed in enumerate(bench.seeds):
         for label, method in bench.methods.items():
             directory = os.path.join(out, "cells", label, f"seed{seed}")
+            own = method_target(method, int(seed), out)
             if method.get("draft"):
                 draft = os.path.abspath(fill_placeholders(method.draft, int(seed), out))  # relative: to the cwd
-                cells.append(Cell(label, int(seed), directory, draft=draft))
+                cells.append(Cell(label, int(seed), directory, draft=draft, target=own))
                 continue
-            cells.append(Cell(label, int(seed), directory, train_config(bench, label, int(seed), directory)))
+            cells.append(Cell(label, int(seed), directory, train_config(bench, label, int(seed), directory),
+                              target=own))
         if i == 0:
             cells += [Cell(base, None, os.path.join(out, "cells", base)) for base in bench.baselines]
-    targets = {c.train_cfg.target.path for c in cells if c.has_training}
+    targets = {c.train_cfg.target.path for c in cells if c.has_training and c.target is None}
     if len(targets) > 1:
         raise VatError(f"the bench's methods train for different targets {sorted(targets)}; set target.path in "
-                       "train_overrides")
+                       "train_overrides (or methods.<label>.target for a method meant to run on another target)")
     return cells
 
 

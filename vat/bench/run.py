@@ -102,8 +102,6 @@ def run_bench(bench: Any, progress: bool | None = None) -> dict:
 
     from omegaconf import OmegaConf
 
-    from vat.paths import resolve_target_path
-
     progress = sys.stderr.isatty() if progress is None else progress
     out = os.path.abspath(bench.output_dir)
     os.makedirs(out, exist_ok=True)
@@ -113,24 +111,25 @@ def run_bench(bench: Any, progress: bool | None = None) -> dict:
     for warning in check_same_training(cells):
         print(f"[vat bench] warning: {warning}", flush=True)
     trained = [c for c in cells if c.has_training]
-    target = resolve_target_path(trained[0].train_cfg.target.path if trained else _draft_target(cells))
+    target = _bench_target(cells)
     for cell in trained:
         cell.train_cfg.logging.progress = bool(progress and cell.train_cfg.logging.progress)
     print(f"[vat bench] {bench.name}: {len(bench.methods)} methods x {len(bench.seeds)} seeds + "
           f"{len(bench.baselines)} baselines = {len(cells)} cells -> {out}", flush=True)
-    fingerprints = [cell_fingerprint(bench, cell, target) for cell in cells]
+    fingerprints = [cell_fingerprint(bench, cell, cell.target_dir(target)) for cell in cells]
     eta = Eta(cells)
     for i, cell in enumerate(cells, 1):
         head = f"[vat bench {i}/{len(cells)}] {cell.name}"
+        own_target = cell.target_dir(target)
         if cell.draft is not None:  # a draft an earlier cell of this bench trains exists only now: hash it now
-            fingerprints[i - 1] = cell_fingerprint(bench, cell, target)
+            fingerprints[i - 1] = cell_fingerprint(bench, cell, own_target)
         fingerprint = fingerprints[i - 1]
-        if finished(cell, fingerprint, bench, target) is not None:
+        if finished(cell, fingerprint, bench, own_target) is not None:
             eta.done(cell, None)
             print(f"{head}: finished earlier, skipped | {eta.text()}", flush=True)
             continue
         start = time.time()
-        record = run_cell(bench, cell, target, fingerprint, progress)
+        record = run_cell(bench, cell, own_target, fingerprint, progress)
         worked = not (record.get("train", {}).get("reused", True) and record["eval"]["reused"])
         eta.done(cell, time.time() - start if worked else None, record["eval"]["seconds"] or None)
         write_outputs(bench, cells, fingerprints, target, out)
@@ -139,6 +138,20 @@ def run_bench(bench: Any, progress: bool | None = None) -> dict:
     print(f"[vat bench] done: {', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)
+
+
+def _bench_target(cells: list[Cell]) -> str:
+    """The bench's target (the baselines' and every method's without its own ``target``): the one the methods train
+    for, else the one the first draft records, else the first method's own target."""
+    from vat.paths import resolve_target_path
+
+    shared = [c for c in cells if c.trained and c.target is None]
+    trained = [c for c in shared if c.has_training]
+    if trained:
+        return resolve_target_path(trained[0].train_cfg.target.path)
+    if shared:
+        return resolve_target_path(_draft_target(shared))
+    return next(c.target_dir("") for c in cells if c.target is not None)
 
 
 def _draft_target(cells: list[Cell]) -> str:

@@ -221,7 +221,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
     records: dict[str, list[dict]] = {}
     done_cells = []
     for cell, fingerprint in zip(cells, fingerprints):
-        record = finished(cell, fingerprint, bench, target)
+        record = finished(cell, fingerprint, bench, cell.target_dir(target))
         if record is not None:
             records.setdefault(cell.method, []).append(record)
             done_cells.append(cell)
@@ -310,13 +310,18 @@ def markdown(summary: dict) -> str:
         "",
     ]
     variants = [(label, m) for label, m in summary["settings"].get("methods", {}).items()
-                if m.get("draft") or any(v is not None for v in (m.get("eval") or {}).values())]
+                if m.get("draft") or m.get("target") or any(v is not None for v in (m.get("eval") or {}).values())]
     if variants:
-        lines += ["Methods that evaluate an existing draft and/or override the bench's eval settings:", "",
-                  "| method | draft | eval overrides |", "|---|---|---|"]
+        own_targets = any(m.get("target") for _, m in variants)
+        lines += ["Methods that evaluate an existing draft, run on their own target and/or override the bench's eval "
+                  "settings" + (" (a method on its own target is compared with the reference as a target + draft "
+                                "pair)" if own_targets else "") + ":", "",
+                  "| method | draft | " + ("target | " if own_targets else "") + "eval overrides |",
+                  "|---|---|" + ("---|" if own_targets else "") + "---|"]
         for label, m in variants:
             overrides = ", ".join(f"{k}={v}" for k, v in (m.get("eval") or {}).items() if v is not None) or "–"
-            lines.append(f"| {label} | {m.get('draft') or 'trained: ' + str(m.get('recipe'))} | {overrides} |")
+            target = f"{m.get('target') or 'the bench target'} | " if own_targets else ""
+            lines.append(f"| {label} | {m.get('draft') or 'trained: ' + str(m.get('recipe'))} | {target}{overrides} |")
         lines.append("")
     labels = summary["methods"] + summary["baselines"]
     train = summary["train"]
