@@ -7,6 +7,7 @@ online affinity table) and the resolved ``config.yaml``.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -89,3 +90,13 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     if not os.path.exists(os.path.join(resume, STATE_FILE)):
         raise VatError(f"not a vat training checkpoint (no {STATE_FILE}): {resume}")
     return resume
+
+
+def truncate_metrics(path: str, step: int) -> None:
+    """Drop metrics.jsonl lines logged after ``step`` (a killed run may have logged past its last checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(lines)

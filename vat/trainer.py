@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vat.checkpointing import STATE_FILE, resolve_resume, rng_state, set_rng_state, write_checkpoint
+from vat.checkpointing import STATE_FILE, resolve_resume, rng_state, set_rng_state, truncate_metrics, write_checkpoint
 from vat.config import load_config, to_yaml
 from vat.data import BucketedBatches, collate, load_prepared
 from vat.errors import VatError
@@ -503,7 +503,7 @@ class Trainer:
             self.load_state(resume_dir)
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if self.is_main:
-            _truncate_metrics(metrics_path, self.step)
+            truncate_metrics(metrics_path, self.step)
             self._init_tracker()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not (self.is_main and cfg.logging.progress),
                    dynamic_ncols=True)
@@ -778,16 +778,6 @@ def _finite_or_none(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-    """Drop lines logged after ``step`` (a killed run may have logged past its last checkpoint)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(path, "w") as f:
-        f.writelines(lines)
 
 
 def main(cfg: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vat.checkpointing import STATE_FILE, resolve_resume, rng_state, set_rng_state, write_checkpoint
+from vat.checkpointing import STATE_FILE, resolve_resume, rng_state, set_rng_state, truncate_metrics, write_checkpoint
 from vat.config import to_yaml
 from vat.data import BucketedBatches, collate
 from vat.errors import VatError
@@ -224,7 +224,7 @@ class WindowPoolTrainer:
             self.load_state(resume_dir)
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if self.is_main:
-            _truncate_metrics(metrics_path, self.step)
+            truncate_metrics(metrics_path, self.step)
         bar = tqdm(total=self.total_steps, initial=self.step, desc="window_pool",
                    disable=not (self.is_main and cfg.logging.progress), dynamic_ncols=True)
         cpu_start, wall_start = time.process_time(), time.time()
@@ -389,16 +389,6 @@ def _plain(node: Any) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-    """Drop lines logged after ``step`` (a killed run may have logged past its last checkpoint)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(path, "w") as f:
-        f.writelines(lines)
 
 
 def main(cfg: Any) -> dict[str, Any]:
