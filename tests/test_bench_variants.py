@@ -136,10 +136,9 @@ bootstrap: {{samples: 50}}
         return record
 
     monkeypatch.setattr(bench_run, "run_cell", run_cell_then_make_the_draft)
-    run_bench = bench_run.run_bench
-    assert run_bench(load_bench_config(str(config)), progress=False)["progress"]["complete"]
+    assert bench_run.run_bench(load_bench_config(str(config)), progress=False)["progress"]["complete"]
     capsys.readouterr()
-    run_bench(load_bench_config(str(config)), progress=False)
+    bench_run.run_bench(load_bench_config(str(config)), progress=False)
     assert capsys.readouterr().out.count("finished earlier, skipped") == 2
 
 
@@ -249,3 +248,15 @@ def test_every_bench_recipe_loads_and_plans(recipe, tmp_path):
     if recipe == "tiny_window_pool.yaml":  # the Window Pool method trains for its own target, base for the tiny one
         own = {c.method: c.train_cfg.target.path for c in cells if c.seed == 0}
         assert own["base"] == "tiny" and own["window_pool"].endswith("runs/tiny-window_pool/final")
+
+
+def test_the_bench_target_is_the_shared_one_else_the_first_own_target(tmp_path):
+    from vat.bench.cells import Cell
+    from vat.bench.run import _bench_target
+
+    draft = _save_draft(str(tmp_path / "drafts"))  # records the tiny-quick target as its target_path
+    own = str(tmp_path / "own")
+    shared = Cell("a", 0, str(tmp_path / "a"), draft=draft)
+    elsewhere = Cell("b", 0, str(tmp_path / "b"), draft=draft, target=own)
+    assert _bench_target([elsewhere, shared]) != own  # a method without its own target decides
+    assert _bench_target([elsewhere]) == own  # every method on its own target: the first one's

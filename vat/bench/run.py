@@ -151,7 +151,7 @@ def _bench_target(cells: list[Cell]) -> str:
         return resolve_target_path(trained[0].train_cfg.target.path)
     if shared:
         return resolve_target_path(_draft_target(shared))
-    return next(c.target_dir("") for c in cells if c.target is not None)
+    return resolve_target_path(next(c.target for c in cells if c.target is not None))
 
 
 def _draft_target(cells: list[Cell]) -> str:
