@@ -89,6 +89,10 @@ def test_existing_drafts_under_eval_variants_resume_and_are_keyed_by_overrides(t
             est = stats[key]
             assert est["low"] <= est["value"] <= est["high"], (key, est)
     assert res["moespec2"]["2"]["spec_bench"]["quality"]["agreement"] is not None  # a budget carries its quality
+    # the chain cell's greedy run at natural routing left the prompts' natural decode; the budgeted cell read it
+    moespec = json.loads((tmp_path / "bench" / "cells" / "moespec2" / "seed0" / "eval" / "eval.json").read_text())
+    assert moespec["quality_reference"]["spec_bench"]["source"].startswith("natural greedy decode (cached")
+    assert len(os.listdir(tmp_path / "bench" / "natural_reference")) == 1
     assert "none" not in res["moespec2"] and "2" not in res["chain"]
     assert evict["modeled_ratio"]["low"] <= evict["modeled_ratio"]["value"] <= evict["modeled_ratio"]["high"]
     ev = json.loads((tmp_path / "bench" / "cells" / "tree_evict" / "seed0" / "eval" / "eval.json").read_text())

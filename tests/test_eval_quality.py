@@ -109,3 +109,45 @@ def test_eval_writes_quality_for_every_budgeted_row(quick, spec_bench_file, tmp_
     q2 = again["results"]["ngram"]["2"][bench]["quality"]
     for key in ("agreement", "first_divergence", "kl_to_natural"):
         assert q2[key] == pytest.approx(q[key], rel=1e-9), key
+
+
+def test_reference_cache_stands_in_for_the_extra_ar_pass(quick, spec_bench_file, tmp_path):
+    """A greedy run at natural routing fills the cache with the target's own greedy output (the AR pass's tokens);
+    a later budget-only run reads it instead of decoding again and gets the quality figures of the extra AR pass;
+    another token limit is another key; a damaged file is decoded again and rewritten."""
+    from vat.eval.run import run_eval
+
+    path, target = quick
+    cache = str(tmp_path / "natural")
+    kw = dict(target=target, benchmarks=[spec_bench_file], limit=2, steps=3, progress=False, plots=False,
+              tokenizer=path)
+    first = run_eval(drafts=["ngram"], budgets="none", max_new_tokens=12, reference_cache=cache,
+                     output=str(tmp_path / "ar"), **kw)  # the AR pass and ngram at none: no budget, no quality
+    bench = first["benchmarks"][0]
+    (file,) = [os.path.join(cache, f) for f in os.listdir(cache)]
+    with open(os.path.join(tmp_path / "ar", "generations.jsonl")) as f:
+        ar = {r["question_id"]: r["token_ids"] for r in map(json.loads, f) if r["draft"] == "none"}
+    with open(file) as f:
+        stored = {p["question_id"]: p["token_ids"] for p in json.load(f)["prompts"]}
+    assert stored == ar and len(stored) == 2
+
+    cached = run_eval(drafts=["ngram"], budgets="2", max_new_tokens=12, reference_cache=cache, autoregressive=False,
+                      **kw)
+    assert cached["quality_reference"][bench]["source"].startswith("natural greedy decode (cached")
+    assert cached["quality_reference"][bench]["seconds"] == 0.0
+    decoded = run_eval(drafts=["ngram"], budgets="2", max_new_tokens=12, autoregressive=False, **kw)
+    assert "extra AR pass" in decoded["quality_reference"][bench]["source"]
+    q, q_ref = (r["results"]["ngram"]["2"][bench]["quality"] for r in (cached, decoded))
+    for key in ("agreement", "first_divergence", "kl_to_natural", "turns"):
+        assert q[key] == pytest.approx(q_ref[key], rel=1e-12), key
+
+    longer = run_eval(drafts=["ngram"], budgets="2", max_new_tokens=16, reference_cache=cache, autoregressive=False,
+                      **kw)
+    assert "extra AR pass" in longer["quality_reference"][bench]["source"] and len(os.listdir(cache)) == 2
+    with open(file, "w") as f:
+        f.write('{"prompts": [{"question_id"')  # a run killed mid-write by hand
+    again = run_eval(drafts=["ngram"], budgets="2", max_new_tokens=12, reference_cache=cache, autoregressive=False,
+                     **kw)
+    assert "extra AR pass" in again["quality_reference"][bench]["source"]
+    with open(file) as f:
+        assert {p["question_id"]: p["token_ids"] for p in json.load(f)["prompts"]} == ar

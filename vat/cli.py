@@ -201,6 +201,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ngram-min", type=int, default=1, help="ngram draft: shortest suffix matched, as vLLM's prompt_lookup_min (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
+    p.add_argument("--reference-cache", default=None, help="directory that keeps the natural greedy decode of each "
+                   "benchmark between evals: budgeted runs read it instead of an extra AR pass (greedy only)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", required=True, help="output directory")

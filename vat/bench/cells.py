@@ -454,7 +454,8 @@ def prune_checkpoints(run_dir: str, keep_steps: list[int]) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def eval_stage(directory: str, drafts: list, target: str, settings: dict, identity: dict, progress: bool) -> dict:
+def eval_stage(directory: str, drafts: list, target: str, settings: dict, identity: dict, progress: bool,
+               reference_cache: str | None = None) -> dict:
     """Evaluate drafts with the real engine into ``directory`` (reused when its recorded settings match).
 
     Args:
@@ -464,6 +465,8 @@ def eval_stage(directory: str, drafts: list, target: str, settings: dict, identi
         settings: :func:`eval_settings`.
         identity: what identifies the drafts (their training configs' hashes), recorded with the settings.
         progress: show the engine's progress bars.
+        reference_cache: where the natural greedy decode of the prompts is kept between cells (the quality
+            reference of budgeted runs, :mod:`vat.eval.reference_cache`).
 
     Returns:
         The eval.json dict, with ``bench_seconds`` (0 when reused) and ``bench_reused``.
@@ -480,9 +483,15 @@ def eval_stage(directory: str, drafts: list, target: str, settings: dict, identi
     result = run_eval(target=target, drafts=drafts, benchmarks=list(settings["benchmarks"]), steps=settings["steps"],
                       temperature=settings["temperature"], budgets=list(settings["budgets"]),
                       max_new_tokens=settings["max_new_tokens"], limit=settings["limit"], output=directory,
-                      progress=progress, plots=False, autoregressive=False, **variants)  # AR is its own cell
+                      progress=progress, plots=False, autoregressive=False, reference_cache=reference_cache,
+                      **variants)  # AR is its own cell
     _write_json(os.path.join(directory, SETTINGS_FILE), recorded)
     return {**result, "bench_seconds": time.time() - start, "bench_reused": False}
+
+
+def reference_cache_dir(bench: Any) -> str:
+    """Where a bench keeps the natural greedy decode of its prompts (every budgeted cell's quality reference)."""
+    return os.path.join(os.path.abspath(bench.output_dir), "natural_reference")
 
 
 # ---- one cell -----------------------------------------------------------------------------------------------------
@@ -493,9 +502,10 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
     os.makedirs(cell.directory, exist_ok=True)
     record: dict[str, Any] = {"method": cell.method, "seed": cell.seed, "fingerprint": fingerprint}
     settings = eval_settings(bench, method=cell.method)
+    cache = reference_cache_dir(bench)
     if not cell.trained:
         result = eval_stage(os.path.join(cell.directory, "eval"), [cell.method], target, settings,
-                            {"drafts": [cell.method]}, progress)
+                            {"drafts": [cell.method]}, progress, cache)
         record["eval"] = _eval_summary(result, cell.method, bench)
     elif cell.draft is not None:
         identity = {"drafts": [cell.method], "draft": draft_identity(cell.draft)}
@@ -503,7 +513,7 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
             raise VatError(f"method {cell.method}: draft {cell.draft} not found (train it first, e.g. with the bench "
                            "that makes it)")
         result = eval_stage(os.path.join(cell.directory, "eval"), [(cell.method, cell.draft)], target, settings,
-                            identity, progress)
+                            identity, progress, cache)
         record["eval"] = _eval_summary(result, cell.method, bench)
         record["draft"] = cell.draft
     else:
@@ -511,7 +521,7 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
         record["train"] = {k: v for k, v in train.items() if k != "final"}
         identity = {"drafts": [cell.method], "train": _sha(config_identity(cell.train_cfg))}
         result = eval_stage(os.path.join(cell.directory, "eval"), [(cell.method, train["final"])], target,
-                            settings, identity, progress)
+                            settings, identity, progress, cache)
         record["eval"] = _eval_summary(result, cell.method, bench)
         record["curve"] = _curve(bench, cell, train, target, identity, progress)
         prune_checkpoints(cell.train_cfg.output_dir, sorted(set(bench.curve.steps)))
@@ -543,7 +553,8 @@ def _curve(bench: Any, cell: Cell, train: dict, target: str, identity: dict, pro
             raise VatError(f"{cell.name}: checkpoint {draft} for curve step {step} is missing; delete "
                            f"{cell.train_cfg.output_dir} to retrain the cell")
         result = eval_stage(directory, [(cell.method, draft)], target,
-                            eval_settings(bench, curve=True, method=cell.method), {**identity, "step": step}, progress)
+                            eval_settings(bench, curve=True, method=cell.method), {**identity, "step": step}, progress,
+                            reference_cache_dir(bench))
         pooled = result.get("pooled", {}).get(cell.method, {}).get(budget, {})
         per_bench = result.get("results", {}).get(cell.method, {}).get(budget, {})
         points.append({"step": step, "tokens": tokens_until(records, step), "tau": pooled.get("tau"),

@@ -25,6 +25,7 @@ from vat.eval.metrics import PromptRun, by_category, prompt_counts, prompt_total
 from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, NgramSpec
 from vat.eval.prompts import decode, eos_token_ids, render_chat
 from vat.eval.quality import add_counts, empty_counts, response_kl, sequence_agreement, summarize_quality
+from vat.eval.reference_cache import load_reference, reference_key, save_reference
 from vat.eval.tree import TreeSpec
 
 AR_LABEL = "none"
@@ -322,6 +323,7 @@ def run_eval(
     progress: bool = True,
     plots: bool = True,
     autoregressive: bool = True,
+    reference_cache: str | None = None,
 ) -> dict:
     """Evaluate drafts by real speculative decoding; write ``output/`` when given; return the eval.json dict.
 
@@ -373,6 +375,9 @@ def run_eval(
         plots: write the PNGs (with ``output``).
         autoregressive: also decode every prompt autoregressively (the ``speedup_vs_ar`` denominator); False skips
             that pass unless ``none`` is among ``drafts`` (``vat bench`` measures AR once, as its own cell).
+        reference_cache: directory that keeps the natural greedy decode of every benchmark between evaluations
+            (:mod:`vat.eval.reference_cache`): greedy runs at natural routing write it, budgeted runs that would
+            otherwise decode it again read it. None = no cache.
 
     Returns:
         The eval.json dict (schema in ``docs/eval.md``).
@@ -470,14 +475,20 @@ def run_eval(
 
                     add_costs(cost, engine, runs, metrics, per_prompt[config.draft.label][config.budget_label][name])
                 all_runs.setdefault((config.draft.label, config.budget_label), []).extend(runs)
+            cache = None
+            if reference_cache is not None and temperature == 0:
+                cache = (reference_cache, *reference_key(target_obj, tok, name, prompts,
+                                                         max_new_tokens=max_new_tokens, eos=eos))
             if any(c.budget is not None for c in configs):
                 reference, source, ref_seconds = _natural_reference(
                     target_obj, configs, bench_runs, tok, prompts, temperature=temperature, seed=seed, policy=policy,
-                    max_new_tokens=max_new_tokens, eos=eos, steps=steps, progress=progress)
+                    max_new_tokens=max_new_tokens, eos=eos, steps=steps, progress=progress, cache=cache)
                 quality_reference[name] = {"source": source, "seconds": ref_seconds}
                 _add_quality(target_obj, configs, bench_runs, reference, name, results, per_prompt, pooled_quality,
                              steps=steps, tree_spec=tree_spec, policy=policy, greedy=temperature == 0,
                              source=source, progress=progress)
+            elif cache is not None and (lossless := _lossless_run(configs, bench_runs)) is not None:
+                save_reference(*cache, lossless[0])  # for a later budgeted run of the same prompts
     finally:
         target_obj.aux_layer_ids = saved_aux_ids
         if gen_file is not None:
@@ -545,28 +556,48 @@ def run_eval(
     return result
 
 
+def _lossless_run(configs: list[RunConfig], bench_runs: dict[int, list[PromptRun]]
+                  ) -> tuple[list[PromptRun], str] | None:
+    """A greedy run at natural routing of this benchmark (the AR pass or a draft at budget none) and its label."""
+    for index, config in enumerate(configs):
+        if config.budget is None and index in bench_runs:
+            return bench_runs[index], config.draft.label
+    return None
+
+
 def _natural_reference(target, configs: list[RunConfig], bench_runs: dict[int, list[PromptRun]], tok, prompts, *,
                        temperature: float, seed: int, policy: str, max_new_tokens: int, eos, steps: int,
-                       progress: bool) -> tuple[list[PromptRun], str, float]:
+                       progress: bool, cache: tuple[str, str, dict] | None = None
+                       ) -> tuple[list[PromptRun], str, float]:
     """The natural greedy decode of every prompt, the reference of the quality figures.
 
     At temperature 0 a run at natural routing (the AR pass, or any draft at ``--budget none``: greedy speculative
-    decoding is lossless) already is it, at no cost. Otherwise — a bench cell without the AR pass and without
-    ``none`` among its budgets, or sampling — one extra autoregressive greedy pass per prompt produces it (the cost
-    of an AR baseline, recorded in ``quality_reference``).
+    decoding is lossless) already is it, at no cost; so is a cached one (``cache`` = ``(directory, key, key parts)``
+    of :mod:`vat.eval.reference_cache`, which the first two also fill). Otherwise — a bench cell without the AR pass
+    and without ``none`` among its budgets, or sampling — one extra autoregressive greedy pass per prompt produces
+    it (the cost of an AR baseline, recorded in ``quality_reference``; stored in the cache when there is one).
     """
     from tqdm.auto import tqdm
 
     if temperature == 0:
-        for index, config in enumerate(configs):
-            if config.budget is None and index in bench_runs:
-                return bench_runs[index], f"{config.draft.label} at budget none (lossless greedy)", 0.0
+        lossless = _lossless_run(configs, bench_runs)
+        if lossless is not None:
+            if cache is not None:
+                save_reference(*cache, lossless[0])
+            return lossless[0], f"{lossless[1]} at budget none (lossless greedy)", 0.0
+        if cache is not None:
+            cached = load_reference(cache[0], cache[1])
+            if cached is not None and len(cached) == len(prompts):
+                return cached, f"natural greedy decode (cached: {cache[1]})", 0.0
     engine = _engine(target, RunConfig(DraftEntry(AR_LABEL, None), None), steps=steps, tree=None, temperature=0.0,
                      policy=policy, max_new_tokens=max_new_tokens, eos=eos)
     start = time.perf_counter()
     runs = [_decode_prompt(engine, tok, p, i, seed)[0]
             for i, p in enumerate(tqdm(prompts, desc="natural greedy reference", disable=not progress, leave=False))]
-    return runs, "natural greedy decode (extra AR pass)", time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if cache is not None and temperature == 0:
+        save_reference(*cache, runs)
+    return runs, "natural greedy decode (extra AR pass)", seconds
 
 
 def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[PromptRun]],
@@ -739,7 +770,7 @@ def main(args: argparse.Namespace) -> int:
         ngram_min=getattr(args, "ngram_min", DEFAULT_N_MIN), max_new_tokens=args.max_new_tokens, limit=args.limit,
         batch_size=args.batch_size, seed=args.seed, output=args.output, dtype=getattr(args, "dtype", "auto"),
         device=getattr(args, "device", None), experts_impl=getattr(args, "experts_impl", None),
-        device_map=getattr(args, "device_map", None),
+        device_map=getattr(args, "device_map", None), reference_cache=getattr(args, "reference_cache", None),
     )
     print(markdown_summary(result))
     print(f"wrote {os.path.join(args.output, 'eval.json')}, generations.jsonl, report.md and plots")
