@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from vat.bench.plots import pareto_points, plot_pareto_bytes, write_plots
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bench_small.json")
@@ -104,3 +106,55 @@ def test_a_method_label_with_a_dot_is_refused_in_one_line(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     bench = load_bench_config(os.path.join(repo, "recipes", "bench", "tiny_union.yaml"))
     assert {"vat_union_0p1", "vat_union_0p4", "vat_union_1p6"} <= set(bench.methods)
+
+
+def test_front_ratios_flags_and_goal_score_by_hand():
+    """Each method x budget against the reference's natural routing: τ and MiB ratios are ratios of pooled sums
+    (paired by seed, a baseline over prompts), the front drops dominated points, the goal score is the largest
+    normalised shortfall (natural routing counts as 100 % agreement), and bench.md lists them with the closest."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from vat.bench.summary import MIB, _front_lines, front_statistics
+    from vat.eval.quality import empty_counts
+
+    def entry(seeds, committed, rounds, mib, kept, quality=None):
+        a = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
+        return {"seeds": seeds, "ids": [1, 2], "committed": a(committed), "rounds": a(rounds),
+                "expert_bytes": a(mib) * MIB, "kept": a(kept), "quality": quality}
+
+    q = {"counts": {**empty_counts(), "matches": 96, "compared": 100, "kl_sum": 0.5, "kl_count": 100}, "greedy": True}
+    rows = {
+        ("eagle3", "none", "b"): entry([0, 1], [[40, 20], [30, 30]], [[10, 10], [10, 10]], [[100, 60], [80, 80]],
+                                       [[40, 20], [30, 30]]),
+        # τ 3.0 / 3.0 = 1.0, MiB (30 + 30 + 25 + 25) / 120 vs 320 / 120: 0.34375, agreement 96 %: goal met
+        ("vat", "4", "b"): entry([0, 1], [[36, 24], [30, 30]], [[10, 10], [10, 10]], [[30, 30], [25, 25]],
+                                 [[36, 24], [30, 30]], q),
+        # natural: τ 3.3 / 3.0 = 1.1, MiB 330 / 132 = 2.5 / (320 / 120) = 0.9375
+        ("vat", "none", "b"): entry([0, 1], [[44, 22], [33, 33]], [[10, 10], [10, 10]], [[110, 55], [82.5, 82.5]],
+                                    [[44, 22], [33, 33]]),
+        # a baseline (one row, no seed): τ 2.0, MiB 4 per token: dominated by everything
+        ("ngram", "none", "b"): entry([None], [[20, 20]], [[10, 10]], [[80, 80]], [[20, 20]]),
+    }
+    boot = OmegaConf.create({"samples": 300, "seed": 0, "confidence": 0.95})
+    points = {(p["label"], p["budget"]): p for p in front_statistics(rows, ["eagle3", "vat", "ngram"], "eagle3",
+                                                                       boot)["b"]}
+    assert set(points) == {("eagle3", "none"), ("vat", "4"), ("vat", "none"), ("ngram", "none")}
+    vat4, vat, ngram, ref = points[("vat", "4")], points[("vat", "none")], points[("ngram", "none")], points[
+        ("eagle3", "none")]
+    assert vat4["tau_ratio"]["value"] == pytest.approx(1.0) and vat4["mib_ratio"]["value"] == pytest.approx(0.34375)
+    assert vat4["mib_per_token"] == pytest.approx(110 / 120) and vat4["agreement"] == pytest.approx(0.96)
+    assert vat4["kl_to_natural"] == pytest.approx(0.005)
+    assert vat4["goal_score"] == pytest.approx(max(0.34375 / 0.70, 0.98 / 1.0, 0.95 / 0.96))
+    assert vat["tau_ratio"]["value"] == pytest.approx(1.1) and vat["mib_ratio"]["value"] == pytest.approx(0.9375)
+    assert vat["agreement"] == 1.0 and vat["goal_score"] == pytest.approx(0.9375 / 0.70)
+    assert ngram["tau_ratio"]["value"] == pytest.approx(2 / 3) and ngram["seeds"] == [0, 1]
+    assert ref["tau_ratio"]["value"] == 1.0 and ref["mib_ratio"]["low"] == ref["mib_ratio"]["high"] == 1.0
+    for p in points.values():
+        for key in ("tau_ratio", "mib_ratio"):
+            assert p[key]["low"] <= p[key]["value"] <= p[key]["high"]
+    assert {k for k, p in points.items() if p["front"]} == {("vat", "4"), ("vat", "none")}
+    lines = _front_lines({"front": {"b": list(points.values())}, "reference": "eagle3", "benchmarks": ["b"]}, 95)
+    table = [line for line in lines if line.startswith("| ")]
+    assert len(table) == 5 and all(line.count("|") == table[0].count("|") for line in table)
+    assert "`vat` at budget 4 meets the goal (score 0.99)." in lines

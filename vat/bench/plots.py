@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-NO_BUDGET = "none"
+from vat.bench.summary import GOAL_BYTES, GOAL_TAU, NO_BUDGET
 
 
 def _pyplot():
@@ -89,8 +89,6 @@ def plot_tau_vs_tokens(summary: dict, path: str) -> str | None:
     return path
 
 
-PARETO_BYTES = 0.70  # issue 16's goal: <= 0.70x the reference's natural-routing expert bytes per token ...
-PARETO_TAU = 0.98  # ... at >= 0.98x its τ
 
 
 def pareto_points(summary: dict, bench: str) -> list[dict]:
@@ -117,7 +115,8 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
     """τ against expert MiB per generated token, one panel per benchmark: one point per method x budget (colour =
     method, marker = budget, error bars = the bootstrap intervals of both), each budgeted point labelled with its
     budget and its agreement with the unbudgeted greedy output; dotted guides at the goal (<= 0.70x the reference's
-    natural MiB per token, >= 0.98x its τ). None when no cell has expert bytes yet.
+    natural MiB per token, >= 0.98x its τ); a dashed line through the front (``summary["front"]``, no point reads
+    fewer bytes at a higher τ). None when no cell has expert bytes yet.
     """
     benches = [b for b in summary["benchmarks"] if pareto_points(summary, b)]
     if not benches:
@@ -139,10 +138,14 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
                 agree = "agreement n/a" if p["agreement"] is None else f"{100 * p['agreement']:.1f} %"
                 ax.annotate(f"B={p['budget']}: {agree}", (p["mib"], p["tau"]), textcoords="offset points",
                             xytext=(5, 4), fontsize=7, color=colors[p["label"]])
+        front = [p for p in (summary.get("front") or {}).get(bench, []) if p["front"]]  # sorted by MiB per token
+        if len(front) > 1:
+            ax.plot([p["mib_per_token"] for p in front], [p["tau"] for p in front], color="black", linestyle="--",
+                    linewidth=0.7, zorder=0)
         ref = next((p for p in points if p["label"] == summary["reference"] and p["budget"] == NO_BUDGET), None)
         if ref is not None:
-            ax.axvline(PARETO_BYTES * ref["mib"], color="grey", linestyle=":", linewidth=1)
-            ax.axhline(PARETO_TAU * ref["tau"], color="grey", linestyle=":", linewidth=1)
+            ax.axvline(GOAL_BYTES * ref["mib"], color="grey", linestyle=":", linewidth=1)
+            ax.axhline(GOAL_TAU * ref["tau"], color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("expert MiB per generated token")
         ax.set_ylabel("τ (tokens committed per verification round)")
         ax.set_title(bench)
@@ -152,7 +155,7 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
     handles += [plt.Line2D([], [], color="black", marker=markers[b], linestyle="",
                            label="natural routing" if b == NO_BUDGET else f"B = {b}") for b in summary["budgets"]]
     axes[0][-1].legend(handles=handles, fontsize=7, loc="best")
-    goal = f"guides: {PARETO_BYTES:.2f}x {summary['reference']}'s natural MiB/token, {PARETO_TAU:.2f}x its τ"
+    goal = f"guides: {GOAL_BYTES:.2f}x {summary['reference']}'s natural MiB/token, {GOAL_TAU:.2f}x its τ"
     fig.suptitle(f"τ against expert bytes per token, {conf} % bootstrap intervals ({goal})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

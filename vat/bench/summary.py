@@ -156,6 +156,71 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
     return out
 
 
+GOAL_BYTES = 0.70  # issue 16's goal: <= 0.70x the reference's natural-routing expert bytes per token ...
+GOAL_TAU = 0.98  # ... at >= 0.98x its natural τ ...
+GOAL_AGREEMENT = 0.95  # ... with >= 95 % agreement with the natural greedy output
+
+
+def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -> dict:
+    """Every label x budget against the reference's natural routing on expert bytes and τ, per benchmark.
+
+    For each entry with expert bytes: ``mib_ratio`` = its expert MiB per generated token over the reference's at
+    natural routing, ``tau_ratio`` = its τ over the reference's natural τ (both paired bootstraps as the ratio
+    column: seed by seed over the seeds both finished, a baseline over prompts); its ``agreement`` (1 at natural
+    routing, where greedy decoding is lossless; None when an older eval.json has no quality); ``front`` = no other
+    point reads fewer bytes at a higher τ (point estimates); ``goal_score`` = max(mib_ratio / 0.70, 0.98 / tau_ratio,
+    0.95 / agreement), at most 1 when the bytes, τ and agreement goals all hold, the smallest is the closest.
+
+    Returns:
+        ``{benchmark: [point, ...]}`` ordered by MiB per token.
+    """
+    kw = {"samples": int(boot.samples), "seed": int(boot.seed), "confidence": float(boot.confidence)}
+    keys = ("expert_bytes", "kept")
+    front: dict[str, list[dict]] = {}
+    for (label, budget, bench), entry in rows.items():
+        ref = rows.get((reference, NO_BUDGET, bench))
+        if label not in labels or ref is None or ref["ids"] != entry["ids"]:
+            continue
+        if any(e.get(k) is None for e in (entry, ref) for k in keys):
+            continue
+        common = list(ref["seeds"]) if entry["seeds"] == [None] else [s for s in entry["seeds"] if s in ref["seeds"]]
+        if not common:
+            continue
+        tau_ratio = paired_ratio(*_side(entry, common), *_rows(ref, common), **kw).to_dict()
+        mib_ratio = paired_ratio(*_side(entry, common, keys), *_rows(ref, common, keys), **kw).to_dict()
+        if budget == NO_BUDGET:
+            agreement, kl = 1.0, 0.0
+        else:
+            q = entry.get("quality")
+            quality = summarize_quality(q["counts"], q["greedy"]) if q else {}
+            agreement, kl = quality.get("agreement"), quality.get("kl_to_natural")
+        shortfalls = [mib_ratio["value"] / GOAL_BYTES, GOAL_TAU / tau_ratio["value"]]
+        shortfalls.append(GOAL_AGREEMENT / agreement if agreement else float("inf"))
+        front.setdefault(bench, []).append({
+            "label": label, "budget": budget, "seeds": common,
+            "tau": pooled_ratio(entry["committed"], entry["rounds"]),
+            "mib_per_token": pooled_ratio(entry["expert_bytes"], entry["kept"]) / MIB,
+            "tau_ratio": tau_ratio, "mib_ratio": mib_ratio, "agreement": agreement, "kl_to_natural": kl,
+            "goal_score": max(shortfalls),
+        })
+    for points in front.values():
+        points.sort(key=lambda p: p["mib_per_token"])
+        for p in points:
+            p["front"] = not any(o["mib_per_token"] <= p["mib_per_token"] and o["tau"] >= p["tau"]
+                                 and (o["mib_per_token"], o["tau"]) != (p["mib_per_token"], p["tau"]) for o in points)
+    return front
+
+
+def _side(entry: dict, seeds: list, keys: tuple[str, str] = ("committed", "rounds")) -> tuple[np.ndarray, np.ndarray]:
+    """A method's rows for ``seeds``, or a baseline's only row (read against every seed of the other side)."""
+    return (entry[keys[0]], entry[keys[1]]) if entry["seeds"] == [None] else _rows(entry, seeds, keys)
+
+
+def pooled_ratio(num: np.ndarray, den: np.ndarray) -> float:
+    """Σ num / Σ den over every (seed, prompt) row."""
+    return float(np.sum(num) / np.sum(den))
+
+
 def versus_labels(baselines: list[str], compare: list[str]) -> tuple[str, ...]:
     """The labels every trained method gets a ratio column against: the drafting baselines, then ``compare``."""
     return (*(b for b in baselines if b != "none"), *compare)
@@ -251,6 +316,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "settings": settings,
         "results": method_statistics(rows, labels, bench.reference, budgets, bench.bootstrap,
                                      versus=versus_labels(bench.baselines, bench.compare)),
+        "front": front_statistics(rows, labels, bench.reference, bench.bootstrap),
         "train": train_statistics(records),
         "curve": curve_statistics(records),
         "cells": {label: {("baseline" if r["seed"] is None else f"seed{r['seed']}"): r for r in rs}
@@ -364,6 +430,7 @@ def markdown(summary: dict) -> str:
                 lines.append(f"| {label} | {_fmt(stats['tau'])} | {quality}{cost}{shown} | {against}{seeds} | "
                              f"{minutes} |")
             lines.append("")
+    lines += _front_lines(summary, conf)
     if summary["curve"]:
         lines += ["## τ against training tokens", "",
                   "Checkpoints evaluated on the curve's prompt subset, τ pooled over benchmarks; mean over seeds and "
@@ -384,6 +451,38 @@ def markdown(summary: dict) -> str:
                          f"{t['minutes_per_draft']:.2f} | {tau_sim} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _front_lines(summary: dict, conf: int) -> list[str]:
+    """The bytes-against-τ section of bench.md: every method x budget against the reference's natural routing."""
+    front = summary.get("front") or {}
+    if not front:
+        return []
+    ref = summary["reference"]
+    lines = ["## Expert bytes per generated token against τ", "",
+             f"Every method x budget against `{ref}` at natural routing (paired ratios, {conf} % intervals). Goal "
+             f"(issue 16): <= {GOAL_BYTES:.2f}x its MiB per token at >= {GOAL_TAU:.2f}x its τ with agreement >= "
+             f"{100 * GOAL_AGREEMENT:.0f} %; goal score = max(MiB ratio / {GOAL_BYTES:.2f}, {GOAL_TAU:.2f} / τ ratio, "
+             f"{GOAL_AGREEMENT:.2f} / agreement), <= 1 when all three hold. Front = no point reads fewer bytes at a "
+             "higher τ. Agreement is 100 % at natural routing (greedy decoding is lossless).", ""]
+    for bench in summary["benchmarks"]:
+        points = front.get(bench)
+        if not points:
+            continue
+        lines += [f"### {bench}", "",
+                  f"| method | budget | τ | τ / {ref} natural [{conf} % CI] | MiB/token | MiB / {ref} natural "
+                  f"[{conf} % CI] | agreement | KL to natural | front | goal score |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for p in points:
+            agreement = "–" if p["agreement"] is None else f"{100 * p['agreement']:.1f} %"
+            kl = "–" if p["kl_to_natural"] is None else f"{p['kl_to_natural']:.4f}"
+            lines.append(f"| {p['label']} | {p['budget']} | {p['tau']:.3f} | {_fmt(p['tau_ratio'])} | "
+                         f"{p['mib_per_token']:.2f} | {_fmt(p['mib_ratio'])} | {agreement} | {kl} | "
+                         f"{'yes' if p['front'] else ''} | {p['goal_score']:.2f} |")
+        best = min(points, key=lambda p: p["goal_score"])
+        verdict = "meets the goal" if best["goal_score"] <= 1 else "is the closest to the goal"
+        lines += ["", f"`{best['label']}` at budget {best['budget']} {verdict} (score {best['goal_score']:.2f}).", ""]
+    return lines
 
 
 def write_summary(summary: dict, out: str) -> list[str]:
