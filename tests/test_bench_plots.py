@@ -158,3 +158,19 @@ def test_front_ratios_flags_and_goal_score_by_hand():
     table = [line for line in lines if line.startswith("| ")]
     assert len(table) == 5 and all(line.count("|") == table[0].count("|") for line in table)
     assert "`vat` at budget 4 meets the goal (score 0.99)." in lines
+
+
+def test_a_method_evaluating_another_methods_drafts_is_drawn_in_its_colour(tmp_path):
+    """`eagle3_at_budget` (draft: {bench_dir}/cells/eagle3/...) is eagle3's drafts under budgets: same colour, one
+    legend entry; a draft outside the bench or the method's own cells keeps its own colour."""
+    from vat.bench.plots import _drafted_by
+
+    summary = _summary()
+    summary["methods"] = [*summary["methods"], "eagle3_at_budget", "outside"]
+    summary["settings"] = {"methods": {
+        "eagle3_at_budget": {"draft": "{bench_dir}/cells/eagle3/seed{seed}/train/final"},
+        "outside": {"draft": "runs/other/cells/eagle3/seed{seed}/train/final"},
+        "eagle3": {"recipe": "tiny/eagle3.yaml"}}}
+    assert _drafted_by(summary) == {"eagle3_at_budget": "eagle3"}
+    summary["results"]["eagle3_at_budget"] = {"8": summary["results"]["eagle3"]["8"]}
+    assert plot_pareto_bytes(summary, str(tmp_path / "p.png"))

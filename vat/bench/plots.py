@@ -111,10 +111,24 @@ def pareto_points(summary: dict, bench: str) -> list[dict]:
     return points
 
 
+def _drafted_by(summary: dict) -> dict[str, str]:
+    """Methods that evaluate another method's drafts (``draft: "{bench_dir}/cells/<method>/..."``, e.g. eagle3 under
+    budgets as ``eagle3_at_budget``) -> that method: the plot draws them in its colour, as the same drafts."""
+    methods = summary["settings"].get("methods", {}) if summary.get("settings") else {}
+    out = {}
+    for label, method in methods.items():
+        parts = str((method or {}).get("draft") or "").split("/")
+        if len(parts) > 2 and parts[0] == "{bench_dir}" and parts[1] == "cells" and parts[2] in summary["methods"]:
+            if parts[2] != label:
+                out[label] = parts[2]
+    return out
+
+
 def plot_pareto_bytes(summary: dict, path: str) -> str | None:
     """τ against expert MiB per generated token, one panel per benchmark: one point per method x budget (colour =
-    method, marker = budget, error bars = the bootstrap intervals of both), each budgeted point labelled with its
-    budget and its agreement with the unbudgeted greedy output; dotted guides at the goal (<= 0.70x the reference's
+    method, a method evaluating another's drafts in that one's colour; marker = budget, error bars = the bootstrap
+    intervals of both), each budgeted point labelled with its budget and its agreement with the unbudgeted greedy
+    output; dotted guides at the goal (<= 0.70x the reference's
     natural MiB per token, >= 0.98x its τ); a dashed line through the front (``summary["front"]``, no point reads
     fewer bytes at a higher τ). None when no cell has expert bytes yet.
     """
@@ -124,7 +138,10 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
     plt = _pyplot()
     conf = round(100 * summary["interval"]["confidence"])
     labels = summary["methods"] + summary["baselines"]
-    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    drafted_by = _drafted_by(summary)
+    own = [label for label in labels if label not in drafted_by]
+    colors = {label: f"C{i % 10}" for i, label in enumerate(own)}
+    colors.update({label: colors[maker] for label, maker in drafted_by.items()})
     markers = {budget: "osD^v<>ph*"[i % 10] for i, budget in enumerate(summary["budgets"])}
     fig, axes = plt.subplots(1, len(benches), figsize=(5.5 * len(benches), 4.5), squeeze=False)
     for ax, bench in zip(axes[0], benches):
@@ -150,8 +167,10 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
         ax.set_ylabel("τ (tokens committed per verification round)")
         ax.set_title(bench)
         ax.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], color=colors[label], marker="o", linestyle="", label=label) for label in labels
-               if any(p["label"] == label for b in benches for p in pareto_points(summary, b))]
+    shown = {p["label"] for b in benches for p in pareto_points(summary, b)}
+    handles = [plt.Line2D([], [], color=colors[label], marker="o", linestyle="",
+                          label=" / ".join([label, *[d for d, m in drafted_by.items() if m == label and d in shown]]))
+               for label in own if label in shown or any(m == label and d in shown for d, m in drafted_by.items())]
     handles += [plt.Line2D([], [], color="black", marker=markers[b], linestyle="",
                            label="natural routing" if b == NO_BUDGET else f"B = {b}") for b in summary["budgets"]]
     axes[0][-1].legend(handles=handles, fontsize=7, loc="best")
