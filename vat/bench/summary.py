@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from vat.bench.cells import Cell, eval_path, finished
-from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau
+from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau, pooled_tau
 from vat.errors import VatError
 from vat.eval.quality import add_counts, empty_counts, summarize_quality
 
@@ -82,6 +82,16 @@ def _rows(entry: dict, seeds: list, keys: tuple[str, str] = ("committed", "round
     return entry[keys[0]][index], entry[keys[1]][index]
 
 
+def _side(entry: dict, seeds: list, keys: tuple[str, str] = ("committed", "rounds")) -> tuple[np.ndarray, np.ndarray]:
+    """A method's rows for ``seeds``, or a baseline's only row (read against every seed of the other side)."""
+    return (entry[keys[0]], entry[keys[1]]) if entry["seeds"] == [None] else _rows(entry, seeds, keys)
+
+
+def _common_seeds(entry: dict, ref: dict) -> list:
+    """The seeds a ratio of ``entry`` to ``ref`` pairs over: all of ``ref``'s for a baseline, else the shared ones."""
+    return list(ref["seeds"]) if entry["seeds"] == [None] else [s for s in entry["seeds"] if s in ref["seeds"]]
+
+
 def method_statistics(rows: dict, labels: list[str], reference: str, budgets: list[str], boot: Any,
                       versus: tuple[str, ...] = ()) -> dict:
     """τ with an interval, τ per seed and the paired ratio to the reference, per label x budget x benchmark.
@@ -123,20 +133,14 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
             if ref is entry:
                 stats["ratio"] = {"value": 1.0, "low": 1.0, "high": 1.0, "seeds": stats["seeds"], "reference": True}
             else:
-                if entry["seeds"] == [None]:
-                    common = list(ref["seeds"])
-                    mine = (entry["committed"], entry["rounds"])
-                else:
-                    common = [s for s in entry["seeds"] if s in ref["seeds"]]
-                    mine = _rows(entry, common)
+                common = _common_seeds(entry, ref)
                 if common:
-                    ratio = paired_ratio(*mine, *_rows(ref, common), **kw)
+                    ratio = paired_ratio(*_side(entry, common), *_rows(ref, common), **kw)
                     stats["ratio"] = {**ratio.to_dict(), "seeds": common}
                     if "modeled_speedup" in stats and ref.get("modeled_seconds") is not None:
                         # the modeled speed-up over the reference's, paired as τ's ratio
                         keys = ("modeled_ar_seconds", "modeled_seconds")
-                        own = (entry[keys[0]], entry[keys[1]]) if entry["seeds"] == [None] else _rows(entry, common, keys)
-                        est = paired_ratio(*own, *_rows(ref, common, keys), **kw)
+                        est = paired_ratio(*_side(entry, common, keys), *_rows(ref, common, keys), **kw)
                         stats["modeled_ratio"] = est.to_dict()
         if entry["seeds"] != [None]:
             stats["versus"] = {}
@@ -183,7 +187,7 @@ def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -
             continue
         if any(e.get(k) is None for e in (entry, ref) for k in keys):
             continue
-        common = list(ref["seeds"]) if entry["seeds"] == [None] else [s for s in entry["seeds"] if s in ref["seeds"]]
+        common = _common_seeds(entry, ref)
         if not common:
             continue
         tau_ratio = paired_ratio(*_side(entry, common), *_rows(ref, common), **kw).to_dict()
@@ -198,8 +202,8 @@ def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -
         shortfalls.append(GOAL_AGREEMENT / agreement if agreement else float("inf"))
         front.setdefault(bench, []).append({
             "label": label, "budget": budget, "seeds": common,
-            "tau": pooled_ratio(entry["committed"], entry["rounds"]),
-            "mib_per_token": pooled_ratio(entry["expert_bytes"], entry["kept"]) / MIB,
+            "tau": pooled_tau(entry["committed"], entry["rounds"]),
+            "mib_per_token": pooled_tau(entry["expert_bytes"], entry["kept"]) / MIB,  # Σ bytes / Σ tokens
             "tau_ratio": tau_ratio, "mib_ratio": mib_ratio, "agreement": agreement, "kl_to_natural": kl,
             "goal_score": max(shortfalls),
         })
@@ -209,16 +213,6 @@ def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -
             p["front"] = not any(o["mib_per_token"] <= p["mib_per_token"] and o["tau"] >= p["tau"]
                                  and (o["mib_per_token"], o["tau"]) != (p["mib_per_token"], p["tau"]) for o in points)
     return front
-
-
-def _side(entry: dict, seeds: list, keys: tuple[str, str] = ("committed", "rounds")) -> tuple[np.ndarray, np.ndarray]:
-    """A method's rows for ``seeds``, or a baseline's only row (read against every seed of the other side)."""
-    return (entry[keys[0]], entry[keys[1]]) if entry["seeds"] == [None] else _rows(entry, seeds, keys)
-
-
-def pooled_ratio(num: np.ndarray, den: np.ndarray) -> float:
-    """Σ num / Σ den over every (seed, prompt) row."""
-    return float(np.sum(num) / np.sum(den))
 
 
 def versus_labels(baselines: list[str], compare: list[str]) -> tuple[str, ...]:

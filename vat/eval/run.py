@@ -595,7 +595,7 @@ def _natural_reference(target, configs: list[RunConfig], bench_runs: dict[int, l
     runs = [_decode_prompt(engine, tok, p, i, seed)[0]
             for i, p in enumerate(tqdm(prompts, desc="natural greedy reference", disable=not progress, leave=False))]
     seconds = time.perf_counter() - start
-    if cache is not None and temperature == 0:
+    if cache is not None:  # greedy only: run_eval builds no cache key when sampling
         save_reference(*cache, runs)
     return runs, "natural greedy decode (extra AR pass)", seconds
 
