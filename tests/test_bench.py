@@ -275,7 +275,8 @@ def test_budgeted_rows_carry_quality_pooled_over_seeds_and_prompts(tmp_path):
 
     def prompt(qid, committed, rounds, matches, compared, kl_sum, kl_count):
         q = {"matches": matches, "compared": compared, "first_divergence": matches, "turns": 1,
-             "identical": int(matches == compared), "kl_sum": kl_sum, "kl_count": kl_count}
+             "identical": int(matches == compared), "kl_sum": kl_sum, "kl_count": kl_count,
+             "step_matches": compared - 1, "step_compared": compared, "step_turns": 1}
         return {"question_id": qid, "committed": committed, "rounds": rounds, "quality": q}
 
     cells = []
@@ -295,6 +296,7 @@ def test_budgeted_rows_carry_quality_pooled_over_seeds_and_prompts(tmp_path):
     assert q["agreement"] == pytest.approx((4 + 2 + 3 + 5) / 20)
     assert q["kl_to_natural"] == pytest.approx((0.3 + 0.6 + 0.1 + 0.2) / 20)
     assert q["first_divergence"] == pytest.approx(14 / 4) and q["turns"] == 4
+    assert q["stepwise_agreement"] == pytest.approx(16 / 20)  # one of 5 tokens off per prompt and seed
     assert "quality" not in stats["vat"]["none"]["sb"]
     summary = {"reference": "vat", "progress": {"complete": True, "cells_done": 2, "cells_total": 2},
                "interval": {"confidence": 0.95, "kind": "percentile bootstrap", "samples": 200, "resampled": "x"},
@@ -304,4 +306,5 @@ def test_budgeted_rows_carry_quality_pooled_over_seeds_and_prompts(tmp_path):
     md = markdown(summary)
     natural_table, budget_table = md.split("## sb, expert budget B = 2")
     assert "agreement" not in natural_table.split("## sb")[1]
-    assert "| agreement | KL to natural |" in budget_table and "70.0 % | 0.0600 |" in budget_table
+    assert "| agreement | stepwise agreement | KL to natural |" in budget_table
+    assert "70.0 % | 80.0 % | 0.0600 |" in budget_table

@@ -62,7 +62,7 @@ def test_every_budgeted_row_of_the_bench_tables_has_its_quality_cells():
         rows = [line for line in block.splitlines() if line.startswith("|")]
         assert all(row.count("|") == rows[0].count("|") for row in rows), block
         if "expert budget" in block.splitlines()[0]:
-            assert "agreement | KL to natural" in rows[0]
+            assert "agreement | stepwise agreement | KL to natural" in rows[0]
             cells = {row.split("|")[1].strip(): row.split("|")[3].strip() for row in rows[2:]}
             assert cells["vat"] in ("97.0 %", "87.0 %")
             assert cells["eagle3"].startswith("not measured")  # the fixture's eagle3 has no quality figures
@@ -123,7 +123,8 @@ def test_front_ratios_flags_and_goal_score_by_hand():
         return {"seeds": seeds, "ids": [1, 2], "committed": a(committed), "rounds": a(rounds),
                 "expert_bytes": a(mib) * MIB, "kept": a(kept), "quality": quality}
 
-    q = {"counts": {**empty_counts(), "matches": 96, "compared": 100, "kl_sum": 0.5, "kl_count": 100}, "greedy": True}
+    q = {"counts": {**empty_counts(), "matches": 96, "compared": 100, "kl_sum": 0.5, "kl_count": 100, "turns": 4,
+                    "step_matches": 99, "step_compared": 100, "step_turns": 4}, "greedy": True}
     rows = {
         ("eagle3", "none", "b"): entry([0, 1], [[40, 20], [30, 30]], [[10, 10], [10, 10]], [[100, 60], [80, 80]],
                                        [[40, 20], [30, 30]]),
@@ -144,10 +145,10 @@ def test_front_ratios_flags_and_goal_score_by_hand():
         ("eagle3", "none")]
     assert vat4["tau_ratio"]["value"] == pytest.approx(1.0) and vat4["mib_ratio"]["value"] == pytest.approx(0.34375)
     assert vat4["mib_per_token"] == pytest.approx(110 / 120) and vat4["agreement"] == pytest.approx(0.96)
-    assert vat4["kl_to_natural"] == pytest.approx(0.005)
+    assert vat4["kl_to_natural"] == pytest.approx(0.005) and vat4["stepwise_agreement"] == pytest.approx(0.99)
     assert vat4["goal_score"] == pytest.approx(max(0.34375 / 0.70, 0.98 / 1.0, 0.95 / 0.96))
     assert vat["tau_ratio"]["value"] == pytest.approx(1.1) and vat["mib_ratio"]["value"] == pytest.approx(0.9375)
-    assert vat["agreement"] == 1.0 and vat["goal_score"] == pytest.approx(0.9375 / 0.70)
+    assert vat["agreement"] == vat["stepwise_agreement"] == 1.0 and vat["goal_score"] == pytest.approx(0.9375 / 0.70)
     assert ngram["tau_ratio"]["value"] == pytest.approx(2 / 3) and ngram["seeds"] == [0, 1]
     assert ref["tau_ratio"]["value"] == 1.0 and ref["mib_ratio"]["low"] == ref["mib_ratio"]["high"] == 1.0
     for p in points.values():
@@ -158,6 +159,7 @@ def test_front_ratios_flags_and_goal_score_by_hand():
     table = [line for line in lines if line.startswith("| ")]
     assert len(table) == 5 and all(line.count("|") == table[0].count("|") for line in table)
     assert "`vat` at budget 4 meets the goal (score 0.99)." in lines
+    assert "| vat | 4 |" in next(line for line in table if "96.0 % | 99.0 % | 0.0050 |" in line)
 
 
 def test_a_method_evaluating_another_methods_drafts_is_drawn_in_its_colour(tmp_path):

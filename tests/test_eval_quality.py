@@ -9,7 +9,14 @@ import os
 import pytest
 import torch
 
-from vat.eval.quality import add_counts, empty_counts, response_kl, sequence_agreement, summarize_quality
+from vat.eval.quality import (
+    add_counts,
+    empty_counts,
+    response_kl,
+    sequence_agreement,
+    stepwise_agreement,
+    summarize_quality,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -68,6 +75,35 @@ def test_response_kl_is_the_profile_kl(quick):
     assert n2 == 15 and kl_sum2 > 0
 
 
+def test_stepwise_agreement_against_one_forward_per_position(quick):
+    """The natural greedy choice after each prefix of an output, from one forward per position (the obvious slow
+    way), against the one teacher-forced forward: on the target's own greedy continuation every token matches; after
+    a token swapped in, the count is what the slow loop finds, and the pooled figure needs every turn's counts."""
+    _, target = quick
+    prompt = torch.randint(10, target.vocab_size, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def natural_choice(prefix):  # one full natural forward, no cache
+        ids = torch.tensor([prefix], device=target.device)
+        return int(target.forward(ids, output_aux=False, capture_routing=False).logits[0, -1].argmax())
+
+    greedy = []
+    for _ in range(10):
+        greedy.append(natural_choice(prompt + greedy))
+    assert stepwise_agreement(target, prompt, greedy) == {"step_matches": 10, "step_compared": 10, "step_turns": 1}
+    swapped = greedy[:4] + [(greedy[4] + 1) % target.vocab_size] + greedy[5:]
+    slow = sum(natural_choice(prompt + swapped[:i]) == swapped[i] for i in range(len(swapped)))
+    got = stepwise_agreement(target, prompt, swapped)
+    assert got == {"step_matches": slow, "step_compared": 10, "step_turns": 1} and 4 <= slow <= 9
+    assert stepwise_agreement(target, prompt, []) == {"step_matches": 0, "step_compared": 0, "step_turns": 1}
+
+    total = empty_counts()
+    add_counts(total, {**sequence_agreement(swapped, greedy), "turns": 1, **got})
+    assert summarize_quality(total, greedy=True)["stepwise_agreement"] == pytest.approx(slow / 10)
+    assert summarize_quality(total, greedy=False)["stepwise_agreement"] is None
+    add_counts(total, {**sequence_agreement(greedy, greedy), "turns": 1})  # an older eval's turn: no step counts
+    assert summarize_quality(total, greedy=True)["stepwise_agreement"] is None
+
+
 def test_eval_writes_quality_for_every_budgeted_row(quick, spec_bench_file, tmp_path):
     """The quick tiny target, the n-gram draft (nothing to train) at budgets none and 2: the natural reference is the
     AR pass; agreement and divergence recomputed from generations.jsonl; report.md shows the columns. Without the AR
@@ -99,15 +135,46 @@ def test_eval_writes_quality_for_every_budgeted_row(quick, spec_bench_file, tmp_
     assert q["turns"] == turns and q["kl_tokens"] > 0 and q["kl_to_natural"] > 0 and q["agreement"] < 1.0
     per = ev["per_prompt"]["ngram"]["2"][bench]
     assert sum(p["quality"]["matches"] for p in per) == matches
+    # stepwise: every output token is compared; up to the first divergence the prefix is the natural greedy one, so
+    # at least those tokens are the natural choice
+    generated = sum(len(o) for (_, d, b), tok in rows.items() if (d, b) == ("ngram", "2") for o in tok)
+    assert sum(p["quality"]["step_compared"] for p in per) == generated
+    assert first <= sum(p["quality"]["step_matches"] for p in per) <= generated
+    assert q["stepwise_agreement"] == pytest.approx(sum(p["quality"]["step_matches"] for p in per) / generated)
     assert ev["pooled"]["ngram"]["2"]["quality"]["agreement"] == pytest.approx(q["agreement"])
     report = open(os.path.join(out, "report.md")).read()
-    assert "| agreement | 1st divergence | KL to natural |" in report and f"{100 * q['agreement']:.1f} %" in report
+    assert "| agreement | 1st divergence | stepwise agreement | KL to natural |" in report and f"{100 * q['agreement']:.1f} %" in report
+
+    # an eval.json from before the stepwise agreement: scripts/backfill_stepwise.py renders each turn's prompt from
+    # generations.jsonl's text and finds the same counts the evaluation took from its own prompts
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "backfill_stepwise.py")
+    spec = importlib.util.spec_from_file_location("backfill_stepwise", script)
+    backfill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backfill)
+    with open(os.path.join(out, "eval.json")) as f:
+        older = json.load(f)
+    for entry in older["per_prompt"]["ngram"]["2"][bench]:
+        for key in ("step_matches", "step_compared", "step_turns"):
+            del entry["quality"][key]
+    with open(os.path.join(out, "eval.json"), "w") as f:
+        json.dump(older, f)
+    assert backfill.backfill(out, target=target, tokenizer=AutoTokenizer.from_pretrained(path))
+    with open(os.path.join(out, "eval.json")) as f:
+        mended = json.load(f)
+    assert mended["results"]["ngram"]["2"][bench]["quality"]["stepwise_agreement"] == q["stepwise_agreement"]
+    assert mended["pooled"]["ngram"]["2"]["quality"]["stepwise_agreement"] == q["stepwise_agreement"]
+    assert mended["per_prompt"]["ngram"]["2"][bench] == per
+    assert not backfill.backfill(out, target=target, tokenizer=None)  # nothing left to add: the target is not loaded
 
     again = run_eval(target=target, drafts=["ngram"], benchmarks=[spec_bench_file], limit=2, max_new_tokens=12,
                      steps=3, budgets="2", progress=False, plots=False, tokenizer=path, autoregressive=False)
     assert "extra AR pass" in again["quality_reference"][bench]["source"]
     q2 = again["results"]["ngram"]["2"][bench]["quality"]
-    for key in ("agreement", "first_divergence", "kl_to_natural"):
+    for key in ("agreement", "first_divergence", "stepwise_agreement", "kl_to_natural"):
         assert q2[key] == pytest.approx(q[key], rel=1e-9), key
 
 

@@ -193,18 +193,19 @@ def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -
         tau_ratio = paired_ratio(*_side(entry, common), *_rows(ref, common), **kw).to_dict()
         mib_ratio = paired_ratio(*_side(entry, common, keys), *_rows(ref, common, keys), **kw).to_dict()
         if budget == NO_BUDGET:
-            agreement, kl = 1.0, 0.0
+            agreement, stepwise, kl = 1.0, 1.0, 0.0
         else:
             q = entry.get("quality")
             quality = summarize_quality(q["counts"], q["greedy"]) if q else {}
-            agreement, kl = quality.get("agreement"), quality.get("kl_to_natural")
+            agreement, stepwise, kl = (quality.get(k) for k in ("agreement", "stepwise_agreement", "kl_to_natural"))
         shortfalls = [mib_ratio["value"] / GOAL_BYTES, GOAL_TAU / tau_ratio["value"]]
         shortfalls.append(GOAL_AGREEMENT / agreement if agreement else float("inf"))
         front.setdefault(bench, []).append({
             "label": label, "budget": budget, "seeds": common,
             "tau": pooled_tau(entry["committed"], entry["rounds"]),
             "mib_per_token": pooled_tau(entry["expert_bytes"], entry["kept"]) / MIB,  # Σ bytes / Σ tokens
-            "tau_ratio": tau_ratio, "mib_ratio": mib_ratio, "agreement": agreement, "kl_to_natural": kl,
+            "tau_ratio": tau_ratio, "mib_ratio": mib_ratio, "agreement": agreement,
+            "stepwise_agreement": stepwise, "kl_to_natural": kl,
             "goal_score": max(shortfalls),
         })
     for points in front.values():
@@ -345,10 +346,14 @@ def _quality_cells(quality: dict | None) -> str:
     if quality is None:
         return ""
     if not quality:
-        return "not measured (older eval: rerun) | – | "
-    agree = "–" if quality["agreement"] is None else f"{100 * quality['agreement']:.1f} %"
+        return "not measured (older eval: rerun) | – | – | "
+    agree, step = (_percent(quality.get(k)) for k in ("agreement", "stepwise_agreement"))
     kl = "–" if quality["kl_to_natural"] is None else f"{quality['kl_to_natural']:.4f}"
-    return f"{agree} | {kl} | "
+    return f"{agree} | {step} | {kl} | "
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f} %"
 
 
 def markdown(summary: dict) -> str:
@@ -390,11 +395,12 @@ def markdown(summary: dict) -> str:
             title = bench if budget == NO_BUDGET else f"{bench}, expert budget B = {budget}"
             versus = list(versus_labels(summary["baselines"], summary.get("compare", [])))
             budgeted = budget != NO_BUDGET
-            quality_head = "agreement | KL to natural | " if budgeted else ""
+            quality_head = "agreement | stepwise agreement | KL to natural | " if budgeted else ""
             lines += [f"## {title}", ""]
             if budgeted:
                 lines += ["Quality beside τ, pooled over seeds and prompts: agreement = per-token agreement with the "
-                          "natural greedy output of the same prompt, KL to natural = KL(budgeted ‖ natural) of the "
+                          "natural greedy output of the same prompt, stepwise agreement = share of the budgeted "
+                          "output's tokens the natural target picks greedily after the same prefix, KL to natural = KL(budgeted ‖ natural) of the "
                           "next-token distribution on the target's own text, nats per token.", ""]
             rows_here = [summary["results"].get(label, {}).get(budget, {}).get(bench) for label in labels]
             modeled = any(r and "modeled_speedup" in r for r in rows_here)
@@ -403,7 +409,7 @@ def markdown(summary: dict) -> str:
                          f"modeled speed-up / {ref} [{conf} % CI] | ") if modeled else ""
             lines += [f"| method | τ [{conf} % CI] | {quality_head}{cost_head}ratio to {ref} [{conf} % CI] | "
                       + "".join(f"ratio to {b} [{conf} % CI] | " for b in versus) + "seeds | train min/draft |",
-                      "|---|---|" + "---|---|" * budgeted + "---|---|---|" * modeled + "---|" + "---|" * len(versus)
+                      "|---|---|" + "---|---|---|" * budgeted + "---|---|---|" * modeled + "---|" + "---|" * len(versus)
                       + "---|---|"]
             for label in labels:
                 stats = summary["results"].get(label, {}).get(budget, {}).get(bench)
@@ -458,20 +464,21 @@ def _front_lines(summary: dict, conf: int) -> list[str]:
              f"(issue 16): <= {GOAL_BYTES:.2f}x its MiB per token at >= {GOAL_TAU:.2f}x its τ with agreement >= "
              f"{100 * GOAL_AGREEMENT:.0f} %; goal score = max(MiB ratio / {GOAL_BYTES:.2f}, {GOAL_TAU:.2f} / τ ratio, "
              f"{GOAL_AGREEMENT:.2f} / agreement), <= 1 when all three hold. Front = no point reads fewer bytes at a "
-             "higher τ. Agreement is 100 % at natural routing (greedy decoding is lossless).", ""]
+             "higher τ. Agreement (and stepwise agreement: the share of the output's tokens the natural target picks "
+             "greedily after the same prefix) is 100 % at natural routing (greedy decoding is lossless).", ""]
     for bench in summary["benchmarks"]:
         points = front.get(bench)
         if not points:
             continue
         lines += [f"### {bench}", "",
                   f"| method | budget | τ | τ / {ref} natural [{conf} % CI] | MiB/token | MiB / {ref} natural "
-                  f"[{conf} % CI] | agreement | KL to natural | front | goal score |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"[{conf} % CI] | agreement | stepwise agreement | KL to natural | front | goal score |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in points:
-            agreement = "–" if p["agreement"] is None else f"{100 * p['agreement']:.1f} %"
             kl = "–" if p["kl_to_natural"] is None else f"{p['kl_to_natural']:.4f}"
             lines.append(f"| {p['label']} | {p['budget']} | {p['tau']:.3f} | {_fmt(p['tau_ratio'])} | "
-                         f"{p['mib_per_token']:.2f} | {_fmt(p['mib_ratio'])} | {agreement} | {kl} | "
+                         f"{p['mib_per_token']:.2f} | {_fmt(p['mib_ratio'])} | {_percent(p['agreement'])} | "
+                         f"{_percent(p.get('stepwise_agreement'))} | {kl} | "
                          f"{'yes' if p['front'] else ''} | {p['goal_score']:.2f} |")
         best = min(points, key=lambda p: p["goal_score"])
         verdict = "meets the goal" if best["goal_score"] <= 1 else "is the closest to the goal"

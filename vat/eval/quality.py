@@ -7,6 +7,10 @@ same prompt:
   over the longer of the two (a length mismatch counts as disagreement); pooled as Σ matches / Σ compared.
 - ``first_divergence``: tokens until the first position where the two differ (the whole output when identical;
   the shorter length when one is a prefix of the other); mean over turns.
+- ``stepwise_agreement``: the share of the budgeted output's tokens that the natural target picks greedily after the
+  same prefix (one natural forward over the budgeted output, teacher-forced: a first divergence does not carry into
+  the tokens after it, as it does in ``agreement``). 1 without a budget (greedy decoding is lossless); unlike the KL
+  it depends on the draft, whose tokens choose the expert set at serving.
 - ``kl_to_natural``: KL(budgeted ‖ natural) of the next-token distribution on the target's own text (the natural
   greedy output after its prompt), the figure ``vat profile`` measures (:func:`vat.profile.kl_divergence`), with the
   prompt prefilled unbudgeted and the response tiled into windows of the draft's verification block from its first
@@ -22,7 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-COUNT_KEYS = ("matches", "compared", "first_divergence", "turns", "identical", "kl_sum", "kl_count")
+COUNT_KEYS = ("matches", "compared", "first_divergence", "turns", "identical", "kl_sum", "kl_count",
+              "step_matches", "step_compared", "step_turns")
 
 
 def sequence_agreement(output: Sequence[int], reference: Sequence[int]) -> dict[str, int]:
@@ -59,13 +64,16 @@ def summarize_quality(counts: dict[str, float], greedy: bool, reference: str | N
     """The eval.json ``quality`` entry from summed counts.
 
     Returns:
-        ``agreement``, ``first_divergence`` (mean tokens until the first divergence per turn), ``identical_turns``
+        ``agreement``, ``stepwise_agreement`` (None unless every pooled turn carries its step counts: an older
+        eval.json has none), ``first_divergence`` (mean tokens until the first divergence per turn), ``identical_turns``
         (share of turns identical to the natural output), ``kl_to_natural`` (nats per response token), the counts
         behind them and ``reference`` (where the natural output came from).
     """
     turns = counts["turns"]
+    stepwise = greedy and counts.get("step_compared") and counts.get("step_turns") == turns  # every turn measured
     return {
         "agreement": counts["matches"] / counts["compared"] if greedy and counts["compared"] else None,
+        "stepwise_agreement": counts["step_matches"] / counts["step_compared"] if stepwise else None,
         "first_divergence": counts["first_divergence"] / turns if greedy and turns else None,
         "identical_turns": counts["identical"] / turns if greedy and turns else None,
         "kl_to_natural": counts["kl_sum"] / counts["kl_count"] if counts["kl_count"] else None,
@@ -74,6 +82,33 @@ def summarize_quality(counts: dict[str, float], greedy: bool, reference: str | N
         "turns": int(turns),
         "reference": reference,
     }
+
+
+@torch.no_grad()
+def stepwise_agreement(target, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> dict[str, int]:
+    """How many tokens of a budgeted output the natural target picks itself after the same prefix.
+
+    One natural forward over ``prompt + output[:-1]``: the greedy choice at each output position given the budgeted
+    run's own prefix, compared with the token the budgeted run committed there.
+
+    Args:
+        target: a :class:`~vat.target.FrozenTarget`.
+        prompt_ids: the rendered prompt of the budgeted run's turn (its own earlier answers included).
+        output_ids: the budgeted run's generated tokens of that turn.
+
+    Returns:
+        ``step_matches`` (positions where the natural greedy choice is the committed token), ``step_compared`` (the
+        output's length) and ``step_turns`` (1).
+    """
+    n = len(output_ids)
+    if n == 0:
+        return {"step_matches": 0, "step_compared": 0, "step_turns": 1}
+    start = len(prompt_ids)
+    input_ids = torch.tensor([list(prompt_ids) + list(output_ids[:-1])], device=target.device)  # (1, P + n - 1)
+    logits = target.forward(input_ids, output_aux=False, capture_routing=False).logits[0, start - 1:]  # (n, V)
+    choice = logits.argmax(dim=-1)  # (n,) the natural greedy token after each prefix
+    committed = torch.tensor(list(output_ids), device=choice.device)  # (n,)
+    return {"step_matches": int((choice == committed).sum()), "step_compared": n, "step_turns": 1}
 
 
 @torch.no_grad()

@@ -56,6 +56,7 @@ def _row(draft: str, budget: str, m: dict) -> str:
     q = m.get("quality") or {}
     cells = [
         draft, budget, _fmt(m["tau"]), _quality(q.get("agreement"), "pct"), _fmt(q.get("first_divergence"), 1),
+        _quality(q.get("stepwise_agreement"), "pct"),
         _quality(q.get("kl_to_natural"), "kl"), *[_accept(m, k) for k in range(ACCEPT_COLUMNS)],
         _fmt(m["verified_tokens_per_round"], 1), _fmt(union["mean"], 1), _fmt(union["p90"], 0),
         _fmt(None if bytes_tok is None else bytes_tok / MIB, 3), _fmt(m["target_forwards_per_token"], 3),
@@ -71,7 +72,7 @@ def _quality(value, kind: str) -> str:
 
 
 HEADER = (
-    "| draft | budget | τ | agreement | 1st divergence | KL to natural | " + " | ".join(f"acc@{k + 1}" for k in range(ACCEPT_COLUMNS))
+    "| draft | budget | τ | agreement | 1st divergence | stepwise agreement | KL to natural | " + " | ".join(f"acc@{k + 1}" for k in range(ACCEPT_COLUMNS))
     + " | verified/round | union/layer/round | union p90 | expert MiB/token | target fwd/token | tok/s | speed-up"
     " | prompts | rounds |"
 )
@@ -181,7 +182,8 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
         "the forward itself); speed-up = tokens/s over the autoregressive baseline measured in the same run. "
         "A budgeted target is another model, so every budgeted row carries its quality: agreement = per-token "
         "agreement of its output with the natural greedy output of the same prompt, 1st divergence = tokens until "
-        "they first differ (mean per turn), KL to natural = KL(budgeted ‖ natural) of the next-token distribution "
+        "they first differ (mean per turn), stepwise agreement = share of its tokens the natural target picks greedily "
+        "after the same prefix (teacher-forced on its own output: no cascade after a divergence), KL to natural = KL(budgeted ‖ natural) of the next-token distribution "
         "on the target's own text, nats per token (prompt prefilled unbudgeted, response in verification-block "
         "windows). Definitions: docs/eval.md.",
         "",

@@ -24,7 +24,14 @@ from vat.eval.engine import SpeculativeEngine
 from vat.eval.metrics import PromptRun, by_category, prompt_counts, prompt_totals, set_speedups, summarize
 from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, NgramSpec
 from vat.eval.prompts import decode, eos_token_ids, render_chat
-from vat.eval.quality import add_counts, empty_counts, response_kl, sequence_agreement, summarize_quality
+from vat.eval.quality import (
+    add_counts,
+    empty_counts,
+    response_kl,
+    sequence_agreement,
+    stepwise_agreement,
+    summarize_quality,
+)
 from vat.eval.reference_cache import load_reference, reference_key, save_reference
 from vat.eval.tree import TreeSpec
 
@@ -625,6 +632,8 @@ def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[Pr
                 if turn >= len(ref.turns):
                     break
                 agree = sequence_agreement(gen.token_ids, ref.turns[turn].token_ids)
+                if greedy:  # one natural forward over the budgeted turn
+                    agree.update(stepwise_agreement(target, run.prompt_ids[turn], gen.token_ids))
                 kl_sum, kl_count = ref_kl[turn][key]
                 add_counts(counts, {**agree, "turns": 1, "kl_sum": kl_sum, "kl_count": kl_count})
             entry["quality"] = counts
