@@ -89,6 +89,7 @@ def test_existing_drafts_under_eval_variants_resume_and_are_keyed_by_overrides(t
             est = stats[key]
             assert est["low"] <= est["value"] <= est["high"], (key, est)
     assert res["moespec2"]["2"]["spec_bench"]["quality"]["agreement"] is not None  # a budget carries its quality
+    assert 0 < res["moespec2"]["2"]["spec_bench"]["quality"]["stepwise_agreement"] <= 1
     # the chain cell's greedy run at natural routing left the prompts' natural decode; the budgeted cell read it
     moespec = json.loads((tmp_path / "bench" / "cells" / "moespec2" / "seed0" / "eval" / "eval.json").read_text())
     assert moespec["quality_reference"]["spec_bench"]["source"].startswith("natural greedy decode (cached")
