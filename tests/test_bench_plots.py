@@ -19,6 +19,7 @@ def _summary() -> dict:
 
 def test_pareto_points_are_every_method_x_budget_with_bytes_and_quality_beside_budgeted_ones():
     summary = _summary()
+    summary["results"]["vat"]["4"]["spec_bench"]["quality"]["stepwise_agreement"] = 0.93
     points = pareto_points(summary, "spec_bench")
     keys = {(p["label"], p["budget"]) for p in points}
     # eagle3 and vat at natural routing and B = 8, 4; vat_union0.1 natural only; AR; ngram has no bytes in the fixture
@@ -27,7 +28,9 @@ def test_pareto_points_are_every_method_x_budget_with_bytes_and_quality_beside_b
     vat4 = next(p for p in points if p["label"] == "vat" and p["budget"] == "4")
     stats = summary["results"]["vat"]["4"]["spec_bench"]
     assert vat4["mib"] == stats["expert_mib_per_token"]["value"] and vat4["tau"] == stats["tau"]["value"]
-    assert vat4["agreement"] == stats["quality"]["agreement"]
+    assert vat4["agreement"] == stats["quality"]["agreement"] and vat4["stepwise_agreement"] == 0.93
+    vat8 = next(p for p in points if p["label"] == "vat" and p["budget"] == "8")
+    assert vat8["stepwise_agreement"] is None  # the fixture's older quality figures have none
     assert all(p["agreement"] is None for p in points if p["budget"] == "none")
     assert next(p for p in points if p["label"] == "eagle3" and p["budget"] == "8")["agreement"] is None  # no quality
 

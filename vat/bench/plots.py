@@ -91,8 +91,8 @@ def plot_tau_vs_tokens(summary: dict, path: str) -> str | None:
 
 def pareto_points(summary: dict, bench: str) -> list[dict]:
     """Every (method or baseline) x budget evaluated on ``bench`` with expert MiB per generated token:
-    ``{label, budget, mib, mib_low, mib_high, tau, tau_low, tau_high, agreement}`` (agreement None without a budget
-    or without quality figures)."""
+    ``{label, budget, mib, mib_low, mib_high, tau, tau_low, tau_high, agreement, stepwise_agreement}`` (the
+    agreements None without a budget or without quality figures)."""
     points = []
     for label in summary["methods"] + summary["baselines"]:
         for budget in summary["budgets"]:
@@ -105,7 +105,8 @@ def pareto_points(summary: dict, bench: str) -> list[dict]:
             quality = stats.get("quality") or {}
             points.append({"label": label, "budget": budget, "mib": mib["value"], "mib_low": mib["low"],
                            "mib_high": mib["high"], "tau": tau["value"], "tau_low": tau["low"], "tau_high": tau["high"],
-                           "agreement": quality.get("agreement") if budget != NO_BUDGET else None})
+                           "agreement": quality.get("agreement") if budget != NO_BUDGET else None,
+                           "stepwise_agreement": quality.get("stepwise_agreement") if budget != NO_BUDGET else None})
     return points
 
 
@@ -126,7 +127,7 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
     """τ against expert MiB per generated token, one panel per benchmark: one point per method x budget (colour =
     method, a method evaluating another's drafts in that one's colour; marker = budget, error bars = the bootstrap
     intervals of both), each budgeted point labelled with its budget and its agreement with the unbudgeted greedy
-    output; dotted guides at the goal (<= 0.70x the reference's natural MiB per token, >= 0.98x its τ); a dashed
+    output (and its stepwise agreement); dotted guides at the goal (<= 0.70x the reference's natural MiB per token, >= 0.98x its τ); a dashed
     line through the front (``summary["front"]``: no point reads fewer bytes at a higher τ). None when no cell has
     expert bytes yet.
     """
@@ -151,6 +152,8 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
                         fmt=markers[p["budget"]], color=colors[p["label"]], capsize=2, markersize=6, linewidth=0.8)
             if p["budget"] != NO_BUDGET:
                 agree = "agreement n/a" if p["agreement"] is None else f"{100 * p['agreement']:.1f} %"
+                if p["stepwise_agreement"] is not None:
+                    agree += f" (stepwise {100 * p['stepwise_agreement']:.1f} %)"
                 ax.annotate(f"B={p['budget']}: {agree}", (p["mib"], p["tau"]), textcoords="offset points",
                             xytext=(5, 4), fontsize=7, color=colors[p["label"]])
         front = [p for p in (summary.get("front") or {}).get(bench, []) if p["front"]]  # sorted by MiB per token
