@@ -162,6 +162,9 @@ def test_front_ratios_flags_and_goal_score_by_hand():
     table = [line for line in lines if line.startswith("| ")]
     assert len(table) == 5 and all(line.count("|") == table[0].count("|") for line in table)
     assert "`vat` at budget 4 meets the goal (score 0.99)." in lines
+    assert vat4["goal_score_stepwise"] == pytest.approx(max(0.34375 / 0.70, 0.98 / 1.0, 0.95 / 0.99))
+    assert vat["goal_score_stepwise"] == vat["goal_score"]  # natural routing: both agreements are 100 %
+    assert "With the stepwise agreement in its place: `vat` at budget 4 meets the goal (score 0.98)." in lines
     assert "| vat | 4 |" in next(line for line in table if "96.0 % | 99.0 % | 0.0050 |" in line)
 
 
