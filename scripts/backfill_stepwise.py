@@ -34,10 +34,9 @@ def backfill(eval_dir: str, *, target=None, tokenizer=None) -> bool:
         result = json.load(f)
     if float(result["settings"].get("temperature", 0.0)) != 0.0:
         return False  # sampled outputs: the stepwise agreement is defined for greedy runs only
-    budgeted = {(label, budget) for label, per_budget in result["per_prompt"].items() for budget, per_bench in
-                per_budget.items() for entries in per_bench.values() if entries and "quality" in entries[0]}
-    todo = {key for key in budgeted if any("step_turns" not in e["quality"] for entries in
-                                           result["per_prompt"][key[0]][key[1]].values() for e in entries)}
+    todo = {(label, budget) for label, per_budget in result["per_prompt"].items()  # budgeted rows without step counts
+            for budget, per_bench in per_budget.items()
+            if any("quality" in e and "step_turns" not in e["quality"] for es in per_bench.values() for e in es)}
     if not todo:
         return False
     if target is None or tokenizer is None:

@@ -127,9 +127,9 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
     """τ against expert MiB per generated token, one panel per benchmark: one point per method x budget (colour =
     method, a method evaluating another's drafts in that one's colour; marker = budget, error bars = the bootstrap
     intervals of both), each budgeted point labelled with its budget and its agreement with the unbudgeted greedy
-    output (and its stepwise agreement); dotted guides at the goal (<= 0.70x the reference's natural MiB per token, >= 0.98x its τ); a dashed
-    line through the front (``summary["front"]``: no point reads fewer bytes at a higher τ). None when no cell has
-    expert bytes yet.
+    output (and its stepwise agreement); dotted guides at the goal (<= 0.70x the reference's natural MiB per token,
+    >= 0.98x its τ); a dashed line through the front (``summary["front"]``: no point reads fewer bytes at a higher
+    τ). None when no cell has expert bytes yet.
     """
     benches = [b for b in summary["benchmarks"] if pareto_points(summary, b)]
     if not benches:

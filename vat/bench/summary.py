@@ -165,6 +165,12 @@ GOAL_TAU = 0.98  # ... at >= 0.98x its natural τ ...
 GOAL_AGREEMENT = 0.95  # ... with >= 95 % agreement with the natural greedy output
 
 
+def _goal_score(mib_ratio: dict, tau_ratio: dict, agreement: float | None) -> float:
+    """The largest normalised shortfall of the three goals: <= 1 when all hold (inf without an agreement)."""
+    return max(mib_ratio["value"] / GOAL_BYTES, GOAL_TAU / tau_ratio["value"],
+               GOAL_AGREEMENT / agreement if agreement else float("inf"))
+
+
 def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -> dict:
     """Every label x budget against the reference's natural routing on expert bytes and τ, per benchmark.
 
@@ -199,16 +205,15 @@ def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -
             q = entry.get("quality")
             quality = summarize_quality(q["counts"], q["greedy"]) if q else {}
             agreement, stepwise, kl = (quality.get(k) for k in ("agreement", "stepwise_agreement", "kl_to_natural"))
-        shortfalls = [mib_ratio["value"] / GOAL_BYTES, GOAL_TAU / tau_ratio["value"]]
-        stepwise_score = max(*shortfalls, GOAL_AGREEMENT / stepwise if stepwise else float("inf"))
-        shortfalls.append(GOAL_AGREEMENT / agreement if agreement else float("inf"))
+
         front.setdefault(bench, []).append({
             "label": label, "budget": budget, "seeds": common,
             "tau": pooled_tau(entry["committed"], entry["rounds"]),
             "mib_per_token": pooled_tau(entry["expert_bytes"], entry["kept"]) / MIB,  # Σ bytes / Σ tokens
             "tau_ratio": tau_ratio, "mib_ratio": mib_ratio, "agreement": agreement,
             "stepwise_agreement": stepwise, "kl_to_natural": kl,
-            "goal_score": max(shortfalls), "goal_score_stepwise": stepwise_score,
+            "goal_score": _goal_score(mib_ratio, tau_ratio, agreement),
+            "goal_score_stepwise": _goal_score(mib_ratio, tau_ratio, stepwise),
         })
     for points in front.values():
         points.sort(key=lambda p: p["mib_per_token"])
@@ -402,8 +407,9 @@ def markdown(summary: dict) -> str:
             if budgeted:
                 lines += ["Quality beside τ, pooled over seeds and prompts: agreement = per-token agreement with the "
                           "natural greedy output of the same prompt, stepwise agreement = share of the budgeted "
-                          "output's tokens the natural target picks greedily after the same prefix, KL to natural = KL(budgeted ‖ natural) of the "
-                          "next-token distribution on the target's own text, nats per token.", ""]
+                          "output's tokens the natural target picks greedily after the same prefix, KL to natural = "
+                          "KL(budgeted ‖ natural) of the next-token distribution on the target's own text, nats per "
+                          "token.", ""]
             rows_here = [summary["results"].get(label, {}).get(budget, {}).get(bench) for label in labels]
             modeled = any(r and "modeled_speedup" in r for r in rows_here)
             acc = "/".join(summary.get("cost_models") or []) or "?"
@@ -484,8 +490,8 @@ def _front_lines(summary: dict, conf: int) -> list[str]:
                          f"{'yes' if p['front'] else ''} | {p['goal_score']:.2f} |")
         lines.append("")
         for key, measure in (("goal_score", ""), ("goal_score_stepwise", "With the stepwise agreement in its place: ")):
-            best = min(points, key=lambda p: p.get(key, float("inf")))
-            if best.get(key, float("inf")) == float("inf"):
+            best = min(points, key=lambda p: p[key])
+            if best[key] == float("inf"):  # no point has that agreement (older evals)
                 continue
             verdict = "meets the goal" if best[key] <= 1 else "is the closest to the goal"
             lines.append(f"{measure}`{best['label']}` at budget {best['budget']} {verdict} (score {best[key]:.2f}).")
