@@ -308,3 +308,43 @@ def test_budgeted_rows_carry_quality_pooled_over_seeds_and_prompts(tmp_path):
     assert "agreement" not in natural_table.split("## sb")[1]
     assert "| agreement | stepwise agreement | KL to natural |" in budget_table
     assert "70.0 % | 80.0 % | 0.0600 |" in budget_table
+
+
+def test_a_budgeted_ratio_to_a_reference_evaluated_only_at_natural_routing_is_marked(tmp_path):
+    """The reference `vat` ran at natural routing only, `union` at natural and B = 2: union's B = 2 ratio is its
+    budgeted τ over vat's natural τ (the fallback), bench.json says so in ``reference_budget`` and bench.md marks the
+    cell; union's natural ratio and vat's own row are unmarked."""
+    from types import SimpleNamespace
+
+    from vat.bench.cells import Cell
+    from vat.bench.summary import NO_BUDGET, markdown, method_statistics, per_prompt_table
+
+    def write(label, seed, per_budget):
+        cell = Cell(label, seed, str(tmp_path / label / f"seed{seed}"))
+        os.makedirs(os.path.join(cell.directory, "eval"))
+        per_prompt = {b: {"sb": [{"question_id": q, "committed": c, "rounds": 4} for q, c in zip("ab", counts)]}
+                      for b, counts in per_budget.items()}
+        with open(os.path.join(cell.directory, "eval", "eval.json"), "w") as f:
+            json.dump({"settings": {"temperature": 0.0}, "per_prompt": {label: per_prompt}}, f)
+        return cell
+
+    cells = [write("vat", 0, {"none": (8, 8)}), write("union", 0, {"none": (10, 10), "2": (6, 6)})]
+    rows = per_prompt_table(cells)
+    boot = SimpleNamespace(samples=100, seed=0, confidence=0.95)
+    stats = method_statistics(rows, ["vat", "union"], "vat", ["none", "2"], boot)
+    budgeted = stats["union"]["2"]["sb"]["ratio"]
+    assert budgeted["value"] == pytest.approx(6 / 8) and budgeted["reference_budget"] == NO_BUDGET
+    assert stats["union"]["none"]["sb"]["ratio"]["value"] == pytest.approx(10 / 8)
+    assert stats["union"]["none"]["sb"]["ratio"]["reference_budget"] == NO_BUDGET
+    summary = {"reference": "vat", "progress": {"complete": True, "cells_done": 2, "cells_total": 2},
+               "interval": {"confidence": 0.95, "kind": "percentile bootstrap", "samples": 100, "resampled": "x"},
+               "settings": {"eval": {"limit": 2, "max_new_tokens": 8, "steps": 3, "temperature": 0.0}},
+               "name": "t", "target": "tiny", "seeds": [0], "methods": ["vat", "union"], "baselines": [],
+               "compare": [], "budgets": ["none", "2"], "benchmarks": ["sb"], "results": stats, "train": {},
+               "curve": {}}
+    md = markdown(summary)
+    natural_table, budget_table = md.split("## sb, expert budget B = 2")
+    assert "else at natural routing (marked †)" in natural_table
+    assert "| union | 2.500 [2.500, 2.500] | 1.250 [1.250, 1.250] | 1 |" in natural_table
+    assert "| union | 1.500 [1.500, 1.500] | not measured (older eval: rerun) | – | – | 0.750 [0.750, 0.750] † | 1 |" \
+        in budget_table

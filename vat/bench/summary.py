@@ -92,6 +92,11 @@ def _common_seeds(entry: dict, ref: dict) -> list:
     return list(ref["seeds"]) if entry["seeds"] == [None] else [s for s in entry["seeds"] if s in ref["seeds"]]
 
 
+def _budget_of(rows: dict, label: str, budget: str, bench: str) -> str:
+    """The budget a ratio compares against: the same one where ``label`` was evaluated there, else natural routing."""
+    return budget if (label, budget, bench) in rows else NO_BUDGET
+
+
 def method_statistics(rows: dict, labels: list[str], reference: str, budgets: list[str], boot: Any,
                       versus: tuple[str, ...] = ()) -> dict:
     """τ with an interval, τ per seed and the paired ratio to the reference, per label x budget x benchmark.
@@ -102,7 +107,8 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
 
     The ratio of a trained method uses the seeds both it and the reference have finished (paired by seed); a
     baseline's pairs over prompts with all the reference's seeds. The reference at the same budget is used when it
-    was evaluated there, else at natural routing.
+    was evaluated there, else at natural routing; every ratio records which in ``reference_budget`` (bench.md marks
+    the fallback), so a budgeted τ over a natural one is never read as a same-budget ratio.
     """
     kw = {"samples": int(boot.samples), "seed": int(boot.seed), "confidence": float(boot.confidence)}
     out: dict[str, dict] = {}
@@ -128,7 +134,8 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
             # modeled speed-up over AR = Σ modeled AR seconds / Σ modeled seconds (vat.eval.cost)
             stats["modeled_speedup"] = bootstrap_tau(entry["modeled_ar_seconds"], entry["modeled_seconds"],
                                                      **kw).to_dict()
-        ref = rows.get((reference, budget, bench)) or rows.get((reference, NO_BUDGET, bench))
+        ref_budget = _budget_of(rows, reference, budget, bench)
+        ref = rows.get((reference, ref_budget, bench))
         if ref is not None and ref["ids"] == entry["ids"]:
             if ref is entry:
                 stats["ratio"] = {"value": 1.0, "low": 1.0, "high": 1.0, "seeds": stats["seeds"], "reference": True}
@@ -136,26 +143,27 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
                 common = _common_seeds(entry, ref)
                 if common:
                     ratio = paired_ratio(*_side(entry, common), *_rows(ref, common), **kw)
-                    stats["ratio"] = {**ratio.to_dict(), "seeds": common}
+                    stats["ratio"] = {**ratio.to_dict(), "seeds": common, "reference_budget": ref_budget}
                     if "modeled_speedup" in stats and ref.get("modeled_seconds") is not None:
                         # the modeled speed-up over the reference's, paired as τ's ratio
                         keys = ("modeled_ar_seconds", "modeled_seconds")
                         est = paired_ratio(*_side(entry, common, keys), *_rows(ref, common, keys), **kw)
-                        stats["modeled_ratio"] = est.to_dict()
+                        stats["modeled_ratio"] = {**est.to_dict(), "reference_budget": ref_budget}
         if entry["seeds"] != [None]:
             stats["versus"] = {}
             for base in versus:
-                other = rows.get((base, budget, bench)) or rows.get((base, NO_BUDGET, bench))
+                base_budget = _budget_of(rows, base, budget, bench)
+                other = rows.get((base, base_budget, bench))
                 if base == label or other is None or other["ids"] != entry["ids"]:
                     continue
                 if other["seeds"] == [None]:  # a training-free baseline: paired over prompts
                     est = paired_ratio(entry["committed"], entry["rounds"], other["committed"], other["rounds"], **kw)
-                    stats["versus"][base] = est.to_dict()
+                    stats["versus"][base] = {**est.to_dict(), "reference_budget": base_budget}
                 else:  # another trained method: paired seed by seed, as the reference ratio
                     common = [s for s in entry["seeds"] if s in other["seeds"]]
                     if common:
                         est = paired_ratio(*_rows(entry, common), *_rows(other, common), **kw)
-                        stats["versus"][base] = {**est.to_dict(), "seeds": common}
+                        stats["versus"][base] = {**est.to_dict(), "seeds": common, "reference_budget": base_budget}
         out.setdefault(label, {}).setdefault(budget, {})[bench] = stats
     return out
 
@@ -348,6 +356,14 @@ def _fmt(est: dict | None, digits: int = 3) -> str:
     return f"{est['value']:.{digits}f} [{est['low']:.{digits}f}, {est['high']:.{digits}f}]"
 
 
+FALLBACK_MARK = " †"  # a budgeted row's ratio to a method that was not evaluated at that budget (its natural τ)
+
+
+def _ratio_cell(est: dict | None, budget: str) -> str:
+    """A ratio cell, marked when its denominator is at natural routing while the row is under ``budget``."""
+    return _fmt(est) + (FALLBACK_MARK if est and est.get("reference_budget") not in (None, budget) else "")
+
+
 def _quality_cells(quality: dict | None) -> str:
     """The agreement and KL cells of a budgeted row ('' for a natural-routing table)."""
     if quality is None:
@@ -378,7 +394,8 @@ def markdown(summary: dict) -> str:
         f"temperature {ev['temperature']}.",
         f"τ = tokens committed per verification round, pooled over prompts and seeds. Intervals: {conf} % "
         f"{summary['interval']['kind']} ({summary['interval']['samples']} replicates) resampling "
-        f"{summary['interval']['resampled']}. Ratios are τ / τ of `{ref}` at the same budget.",
+        f"{summary['interval']['resampled']}. Ratios are τ / τ of `{ref}` (or the named method) at the same budget "
+        f"where it was evaluated there, else at natural routing (marked †).",
         "",
     ]
     variants = [(label, m) for label, m in summary["settings"].get("methods", {}).items()
@@ -424,15 +441,16 @@ def markdown(summary: dict) -> str:
                 if stats is None:
                     continue
                 ratio = stats["ratio"]
-                shown = "1 (reference)" if ratio and ratio.get("reference") else _fmt(ratio)
+                shown = "1 (reference)" if ratio and ratio.get("reference") else _ratio_cell(ratio, budget)
                 seeds = str(len(stats["seeds"])) if stats["seeds"] else "–"
                 minutes = f"{train[label]['minutes_per_draft']:.2f}" if label in train else "–"
-                against = "".join(f"{_fmt(stats.get('versus', {}).get(b))} | " for b in versus)
+                against = "".join(f"{_ratio_cell(stats.get('versus', {}).get(b), budget)} | " for b in versus)
                 # a budgeted row always has its quality cells: {} (not measured) when the eval.json had none
                 quality = _quality_cells((stats.get("quality") or {}) if budgeted else None)
                 cost = ""
                 if modeled:
-                    mratio = "1 (reference)" if ratio and ratio.get("reference") else _fmt(stats.get("modeled_ratio"))
+                    mratio = ("1 (reference)" if ratio and ratio.get("reference")
+                              else _ratio_cell(stats.get("modeled_ratio"), budget))
                     cost = (f"{_fmt(stats.get('expert_mib_per_token'), 2)} | {_fmt(stats.get('modeled_speedup'))} | "
                             f"{mratio} | ")
                 lines.append(f"| {label} | {_fmt(stats['tau'])} | {quality}{cost}{shown} | {against}{seeds} | "
