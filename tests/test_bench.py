@@ -291,13 +291,22 @@ def test_budgeted_rows_carry_quality_pooled_over_seeds_and_prompts(tmp_path):
         cells.append(cell)
     rows = per_prompt_table(cells)
     boot = SimpleNamespace(samples=200, seed=0, confidence=0.95)
-    stats = method_statistics(rows, ["vat"], "vat", ["none", "2"], boot)
+    stats = method_statistics(rows, ["vat"], "vat", boot)
     q = stats["vat"]["2"]["sb"]["quality"]
     assert q["agreement"] == pytest.approx((4 + 2 + 3 + 5) / 20)
     assert q["kl_to_natural"] == pytest.approx((0.3 + 0.6 + 0.1 + 0.2) / 20)
     assert q["first_divergence"] == pytest.approx(14 / 4) and q["turns"] == 4
     assert q["stepwise_agreement"] == pytest.approx(16 / 20)  # one of 5 tokens off per prompt and seed
     assert "quality" not in stats["vat"]["none"]["sb"]
+    # a third seed from an older eval (no quality counts): no pooled figure rather than one over two of three seeds
+    older = Cell("vat", 2, str(tmp_path / "seed2"))
+    os.makedirs(os.path.join(older.directory, "eval"))
+    with open(os.path.join(older.directory, "eval", "eval.json"), "w") as f:
+        json.dump({"settings": {"temperature": 0.0}, "per_prompt": {"vat": {
+            "none": {"sb": [{"question_id": q, "committed": 6, "rounds": 3} for q in ("a", "b")]},
+            "2": {"sb": [{"question_id": q, "committed": 5, "rounds": 3} for q in ("a", "b")]}}}}, f)
+    three = method_statistics(per_prompt_table([*cells, older]), ["vat"], "vat", boot)["vat"]["2"]["sb"]
+    assert three["seeds"] == [0, 1, 2] and three["quality"] is None
     summary = {"reference": "vat", "progress": {"complete": True, "cells_done": 2, "cells_total": 2},
                "interval": {"confidence": 0.95, "kind": "percentile bootstrap", "samples": 200, "resampled": "x"},
                "settings": {"eval": {"limit": 2, "max_new_tokens": 8, "steps": 3, "temperature": 0.0}},
@@ -331,7 +340,7 @@ def test_a_budgeted_ratio_to_a_reference_evaluated_only_at_natural_routing_is_ma
     cells = [write("vat", 0, {"none": (8, 8)}), write("union", 0, {"none": (10, 10), "2": (6, 6)})]
     rows = per_prompt_table(cells)
     boot = SimpleNamespace(samples=100, seed=0, confidence=0.95)
-    stats = method_statistics(rows, ["vat", "union"], "vat", ["none", "2"], boot)
+    stats = method_statistics(rows, ["vat", "union"], "vat", boot)
     budgeted = stats["union"]["2"]["sb"]["ratio"]
     assert budgeted["value"] == pytest.approx(6 / 8) and budgeted["reference_budget"] == NO_BUDGET
     assert stats["union"]["none"]["sb"]["ratio"]["value"] == pytest.approx(10 / 8)

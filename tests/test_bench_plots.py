@@ -121,13 +121,13 @@ def test_front_ratios_flags_and_goal_score_by_hand():
     from vat.bench.summary import MIB, _front_lines, front_statistics
     from vat.eval.quality import empty_counts
 
-    def entry(seeds, committed, rounds, mib, kept, quality=None):
+    def entry(seeds, committed, rounds, mib, kept, quality=None, greedy=True):
         a = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
         return {"seeds": seeds, "ids": [1, 2], "committed": a(committed), "rounds": a(rounds),
-                "expert_bytes": a(mib) * MIB, "kept": a(kept), "quality": quality}
+                "expert_bytes": a(mib) * MIB, "kept": a(kept), "quality": quality, "greedy": greedy}
 
     q = {"counts": {**empty_counts(), "matches": 96, "compared": 100, "kl_sum": 0.5, "kl_count": 100, "turns": 4,
-                    "step_matches": 99, "step_compared": 100, "step_turns": 4}, "greedy": True}
+                    "step_matches": 99, "step_compared": 100, "step_turns": 4}, "cells": 2}
     rows = {
         ("eagle3", "none", "b"): entry([0, 1], [[40, 20], [30, 30]], [[10, 10], [10, 10]], [[100, 60], [80, 80]],
                                        [[40, 20], [30, 30]]),
@@ -166,6 +166,16 @@ def test_front_ratios_flags_and_goal_score_by_hand():
     assert vat["goal_score_stepwise"] == vat["goal_score"]  # natural routing: both agreements are 100 %
     assert "With the stepwise agreement in its place: `vat` at budget 4 meets the goal (score 0.98)." in lines
     assert "| vat | 4 |" in next(line for line in table if "96.0 % | 99.0 % | 0.0050 |" in line)
+
+    # a seed the reference has not finished stays out of the point as out of its ratios; a sampled eval's natural
+    # routing has no agreement figure (it is not the target's greedy output)
+    rows[("vat", "none", "b")] = entry([0, 1, 2], [[44, 22], [33, 33], [90, 90]], [[10, 10], [10, 10], [10, 10]],
+                                       [[110, 55], [82.5, 82.5], [10, 10]], [[44, 22], [33, 33], [90, 90]],
+                                       greedy=False)
+    vat = next(p for p in front_statistics(rows, ["eagle3", "vat"], "eagle3", boot)["b"]
+               if (p["label"], p["budget"]) == ("vat", "none"))
+    assert vat["seeds"] == [0, 1] and vat["tau"] == pytest.approx(3.3) and vat["mib_per_token"] == pytest.approx(2.5)
+    assert vat["agreement"] is None and vat["stepwise_agreement"] is None and vat["goal_score"] == float("inf")
 
 
 def test_a_method_evaluating_another_methods_drafts_is_drawn_in_its_colour(tmp_path):

@@ -606,9 +606,13 @@ def _check_bench_eval(cfg: Any) -> None:
     from vat.eval.cost import get_accelerator
     from vat.eval.run import TREE_POLICIES
     from vat.eval.tree import TreeSpec
+    from vat.target.budget import POLICIES
 
     sections = [("eval", cfg.eval)] + [(f"methods.{label}.eval", m.eval) for label, m in cfg.methods.items()]
     for where, ev in sections:
+        if ev.policy is not None and ev.policy not in POLICIES:
+            raise VatError(f"bad value `{ev.policy}` for bench config key `{where}.policy`: one of "
+                           f"{', '.join(POLICIES)}")
         if ev.tree_policy is not None and ev.tree_policy not in TREE_POLICIES:
             raise VatError(f"bad value `{ev.tree_policy}` for bench config key `{where}.tree_policy`: one of "
                            f"{', '.join(TREE_POLICIES)}")

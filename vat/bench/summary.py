@@ -43,11 +43,11 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
             raise VatError(f"{eval_path(cell)} has no per_prompt counts (an older vat eval); delete it to rerun")
         for label, per_budget in result["per_prompt"].items():
             if label != cell.method:
-                continue  # the AR pass every evaluation runs; the `none` baseline cell carries it once
+                continue  # an AR pass (only the `none` baseline cell's eval runs one and carries it)
             for budget, per_bench in per_budget.items():
                 for bench, prompts in per_bench.items():
                     entry = rows.setdefault((label, budget, bench), {"seeds": [], "ids": None, "committed": [],
-                                                                     "rounds": [], "quality": None,
+                                                                     "rounds": [], "quality": None, "greedy": True,
                                                                      **{k: [] for k in EXTRA_COUNTS}})
                     ids = [p["question_id"] for p in prompts]
                     if entry["ids"] is not None and ids != entry["ids"]:
@@ -55,18 +55,21 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
                                        "settings changed between cells?); delete its eval/ to rerun")
                     entry["ids"] = ids
                     entry["seeds"].append(cell.seed)
+                    entry["greedy"] &= float(result["settings"].get("temperature", 0.0)) == 0.0
                     entry["committed"].append([p["committed"] for p in prompts])
                     entry["rounds"].append([p["rounds"] for p in prompts])
                     for key in EXTRA_COUNTS:  # expert bytes, kept tokens, modeled seconds (--cost-model)
                         entry[key].append([p.get(key) for p in prompts])
                     if budget != NO_BUDGET and all("quality" in p for p in prompts):
                         # quality under the budget: counts pooled over seeds and prompts (vat.eval.quality)
-                        quality = entry["quality"] or {"counts": empty_counts(), "greedy": True}
+                        quality = entry["quality"] or {"counts": empty_counts(), "cells": 0}
                         for p in prompts:
                             add_counts(quality["counts"], p["quality"])
-                        quality["greedy"] &= float(result["settings"].get("temperature", 0.0)) == 0.0
+                        quality["cells"] += 1
                         entry["quality"] = quality
     for entry in rows.values():
+        if entry["quality"] is not None and entry["quality"]["cells"] != len(entry["seeds"]):
+            entry["quality"] = None  # a seed's older eval.json has none: no figure rather than one over fewer seeds
         entry["committed"] = np.asarray(entry["committed"], dtype=np.float64)  # (S, P)
         entry["rounds"] = np.asarray(entry["rounds"], dtype=np.float64)  # (S, P)
         for key in EXTRA_COUNTS:  # None where an older eval.json (or a run without a cost model) lacks the count
@@ -97,7 +100,7 @@ def _budget_of(rows: dict, label: str, budget: str, bench: str) -> str:
     return budget if (label, budget, bench) in rows else NO_BUDGET
 
 
-def method_statistics(rows: dict, labels: list[str], reference: str, budgets: list[str], boot: Any,
+def method_statistics(rows: dict, labels: list[str], reference: str, boot: Any,
                       versus: tuple[str, ...] = ()) -> dict:
     """τ with an interval, τ per seed and the paired ratio to the reference, per label x budget x benchmark.
 
@@ -126,7 +129,7 @@ def method_statistics(rows: dict, labels: list[str], reference: str, budgets: li
         }
         if budget != NO_BUDGET:  # a τ under a budget is never given without its quality (None: an older eval.json)
             q = entry.get("quality")
-            stats["quality"] = summarize_quality(q["counts"], q["greedy"]) if q else None
+            stats["quality"] = summarize_quality(q["counts"], entry["greedy"]) if q else None
         if entry.get("expert_bytes") is not None and entry.get("kept") is not None:
             # expert MiB per kept token: Σ bytes / Σ tokens, the same crossed bootstrap as τ
             stats["expert_mib_per_token"] = bootstrap_tau(entry["expert_bytes"] / MIB, entry["kept"], **kw).to_dict()
@@ -185,8 +188,9 @@ def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -
     For each entry with expert bytes: ``mib_ratio`` = its expert MiB per generated token over the reference's at
     natural routing, ``tau_ratio`` = its τ over the reference's natural τ (both paired bootstraps as the ratio
     column: seed by seed over the seeds both finished, a baseline over prompts); its ``agreement`` (1 at natural
-    routing, where greedy decoding is lossless; None when an older eval.json has no quality); ``front`` = no other
-    point reads fewer bytes at a higher τ (point estimates); ``goal_score`` = max(mib_ratio / 0.70, 0.98 / tau_ratio,
+    routing, where greedy decoding is lossless; None when an older eval.json has no quality or the eval sampled);
+    ``tau`` and ``mib_per_token`` pool the same seeds as the ratios; ``front`` = no other point reads at most its
+    bytes at at least its τ (point estimates); ``goal_score`` = max(mib_ratio / 0.70, 0.98 / tau_ratio,
     0.95 / agreement), at most 1 when the bytes, τ and agreement goals all hold, the smallest is the closest;
     ``goal_score_stepwise`` the same with the stepwise agreement in place of the positional one.
 
@@ -207,17 +211,18 @@ def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -
             continue
         tau_ratio = paired_ratio(*_side(entry, common), *_rows(ref, common), **kw).to_dict()
         mib_ratio = paired_ratio(*_side(entry, common, keys), *_rows(ref, common, keys), **kw).to_dict()
-        if budget == NO_BUDGET:
-            agreement, stepwise, kl = 1.0, 1.0, 0.0
+        if budget == NO_BUDGET:  # greedy natural routing is the target's own output; sampling has no figure
+            agreement, stepwise, kl = (1.0, 1.0, 0.0) if entry["greedy"] else (None, None, None)
         else:
             q = entry.get("quality")
-            quality = summarize_quality(q["counts"], q["greedy"]) if q else {}
+            quality = summarize_quality(q["counts"], entry["greedy"]) if q else {}
             agreement, stepwise, kl = (quality.get(k) for k in ("agreement", "stepwise_agreement", "kl_to_natural"))
 
         front.setdefault(bench, []).append({
             "label": label, "budget": budget, "seeds": common,
-            "tau": pooled_tau(entry["committed"], entry["rounds"]),
-            "mib_per_token": pooled_tau(entry["expert_bytes"], entry["kept"]) / MIB,  # Σ bytes / Σ tokens
+            # the point and its ratios over the same seeds (a half-finished bench pools no seed the ratio lacks)
+            "tau": pooled_tau(*_side(entry, common)),
+            "mib_per_token": pooled_tau(*_side(entry, common, keys)) / MIB,  # Σ bytes / Σ tokens
             "tau_ratio": tau_ratio, "mib_ratio": mib_ratio, "agreement": agreement,
             "stepwise_agreement": stepwise, "kl_to_natural": kl,
             "goal_score": _goal_score(mib_ratio, tau_ratio, agreement),
@@ -324,7 +329,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "interval": {"kind": "percentile bootstrap", "resampled": "seeds and prompts (crossed); paired for ratios",
                      "samples": int(bench.bootstrap.samples), "confidence": float(bench.bootstrap.confidence)},
         "settings": settings,
-        "results": method_statistics(rows, labels, bench.reference, budgets, bench.bootstrap,
+        "results": method_statistics(rows, labels, bench.reference, bench.bootstrap,
                                      versus=versus_labels(bench.baselines, bench.compare)),
         "front": front_statistics(rows, labels, bench.reference, bench.bootstrap),
         "train": train_statistics(records),
