@@ -265,6 +265,15 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
     assert finished(cell, cell_fingerprint(other, cell, target), other, target) is None
 
 
+def _two_budget_summary(stats: dict, methods: list[str], seeds: list[int]) -> dict:
+    """The bench.json fields ``markdown`` reads, for ``stats`` of benchmark `sb` at natural routing and B = 2."""
+    return {"reference": "vat", "progress": {"complete": True, "cells_done": 2, "cells_total": 2},
+            "interval": {"confidence": 0.95, "kind": "percentile bootstrap", "samples": 100, "resampled": "x"},
+            "settings": {"eval": {"limit": 2, "max_new_tokens": 8, "steps": 3, "temperature": 0.0}},
+            "name": "t", "target": "tiny", "seeds": seeds, "methods": methods, "baselines": [], "compare": [],
+            "budgets": ["none", "2"], "benchmarks": ["sb"], "results": stats, "train": {}, "curve": {}}
+
+
 def test_budgeted_rows_carry_quality_pooled_over_seeds_and_prompts(tmp_path):
     """Two seeds' eval.json with per-prompt quality counts at B = 2: bench.json pools them (Σ matches / Σ compared,
     Σ KL / Σ tokens) beside τ, and bench.md shows agreement and KL only in the budgeted table."""
@@ -307,12 +316,7 @@ def test_budgeted_rows_carry_quality_pooled_over_seeds_and_prompts(tmp_path):
             "2": {"sb": [{"question_id": q, "committed": 5, "rounds": 3} for q in ("a", "b")]}}}}, f)
     three = method_statistics(per_prompt_table([*cells, older]), ["vat"], "vat", boot)["vat"]["2"]["sb"]
     assert three["seeds"] == [0, 1, 2] and three["quality"] is None
-    summary = {"reference": "vat", "progress": {"complete": True, "cells_done": 2, "cells_total": 2},
-               "interval": {"confidence": 0.95, "kind": "percentile bootstrap", "samples": 200, "resampled": "x"},
-               "settings": {"eval": {"limit": 2, "max_new_tokens": 8, "steps": 3, "temperature": 0.0}},
-               "name": "t", "target": "tiny", "seeds": [0, 1], "methods": ["vat"], "baselines": [], "compare": [],
-               "budgets": ["none", "2"], "benchmarks": ["sb"], "results": stats, "train": {}, "curve": {}}
-    md = markdown(summary)
+    md = markdown(_two_budget_summary(stats, ["vat"], [0, 1]))
     natural_table, budget_table = md.split("## sb, expert budget B = 2")
     assert "agreement" not in natural_table.split("## sb")[1]
     assert "| agreement | stepwise agreement | KL to natural |" in budget_table
@@ -345,13 +349,7 @@ def test_a_budgeted_ratio_to_a_reference_evaluated_only_at_natural_routing_is_ma
     assert budgeted["value"] == pytest.approx(6 / 8) and budgeted["reference_budget"] == NO_BUDGET
     assert stats["union"]["none"]["sb"]["ratio"]["value"] == pytest.approx(10 / 8)
     assert stats["union"]["none"]["sb"]["ratio"]["reference_budget"] == NO_BUDGET
-    summary = {"reference": "vat", "progress": {"complete": True, "cells_done": 2, "cells_total": 2},
-               "interval": {"confidence": 0.95, "kind": "percentile bootstrap", "samples": 100, "resampled": "x"},
-               "settings": {"eval": {"limit": 2, "max_new_tokens": 8, "steps": 3, "temperature": 0.0}},
-               "name": "t", "target": "tiny", "seeds": [0], "methods": ["vat", "union"], "baselines": [],
-               "compare": [], "budgets": ["none", "2"], "benchmarks": ["sb"], "results": stats, "train": {},
-               "curve": {}}
-    md = markdown(summary)
+    md = markdown(_two_budget_summary(stats, ["vat", "union"], [0]))
     natural_table, budget_table = md.split("## sb, expert budget B = 2")
     assert "else at natural routing (marked †)" in natural_table
     assert "| union | 2.500 [2.500, 2.500] | 1.250 [1.250, 1.250] | 1 |" in natural_table

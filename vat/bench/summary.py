@@ -163,7 +163,7 @@ def method_statistics(rows: dict, labels: list[str], reference: str, boot: Any,
                     est = paired_ratio(entry["committed"], entry["rounds"], other["committed"], other["rounds"], **kw)
                     stats["versus"][base] = {**est.to_dict(), "reference_budget": base_budget}
                 else:  # another trained method: paired seed by seed, as the reference ratio
-                    common = [s for s in entry["seeds"] if s in other["seeds"]]
+                    common = _common_seeds(entry, other)
                     if common:
                         est = paired_ratio(*_rows(entry, common), *_rows(other, common), **kw)
                         stats["versus"][base] = {**est.to_dict(), "seeds": common, "reference_budget": base_budget}
@@ -217,7 +217,6 @@ def front_statistics(rows: dict, labels: list[str], reference: str, boot: Any) -
             q = entry.get("quality")
             quality = summarize_quality(q["counts"], entry["greedy"]) if q else {}
             agreement, stepwise, kl = (quality.get(k) for k in ("agreement", "stepwise_agreement", "kl_to_natural"))
-
         front.setdefault(bench, []).append({
             "label": label, "budget": budget, "seeds": common,
             # the point and its ratios over the same seeds (a half-finished bench pools no seed the ratio lacks)
