@@ -34,7 +34,7 @@ from vat.data_prep.readers import ReadStats, iter_records
 from vat.data_prep.tokenizer_train import ENDOFTEXT, IM_END, MASK, PAD, train_tokenizer
 
 from vat.errors import VatError
-from vat.paths import sharegpt_path, tiny_target_dir
+from vat.paths import sharegpt_path, tiny_seed, tiny_target_dir
 
 logger = logging.getLogger(__name__)
 
@@ -588,9 +588,10 @@ def build_tiny_target(output_dir: str, quick: bool = False, seed: int = 0, force
 
 
 def ensure_tiny_target(quick: bool = False) -> str:
-    """Directory of the embedded tiny target at its default location, building it first if needed."""
+    """Directory of the embedded tiny target at its default location, building it first if needed (with the seed
+    of ``$VAT_TINY_SEED``, default 0)."""
     output_dir = tiny_target_dir(quick)
-    build_tiny_target(output_dir, quick=quick)
+    build_tiny_target(output_dir, quick=quick, seed=tiny_seed())
     return output_dir
 
 
@@ -614,12 +615,13 @@ def format_report(report: dict, output_dir: str) -> str:
 
 
 def main(args) -> int:
-    """`vat prep tiny-target [--output DIR] [--quick] [--force]`."""
+    """`vat prep tiny-target [--output DIR] [--quick] [--seed N] [--force]`."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     output_dir = args.output or tiny_target_dir(args.quick)
+    seed = tiny_seed() if args.seed is None else args.seed
     cached = not args.force and read_report(output_dir) is not None
-    report = build_tiny_target(output_dir, quick=args.quick, force=args.force)
+    report = build_tiny_target(output_dir, quick=args.quick, seed=seed, force=args.force)
     if cached:
         print("(cached build; pass --force to rebuild)")
     print(format_report(report, os.path.abspath(output_dir)))

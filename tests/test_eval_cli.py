@@ -12,6 +12,7 @@ from tiny_models import save_tiny_target
 
 from vat.cli import main as cli_main
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from vat.eval.benchmarks import load_benchmark
 from vat.eval.run import run_eval
 from vat.export.checkpoint import save_draft
 
@@ -222,7 +223,10 @@ def _eval_rows(out: str) -> tuple[dict, dict]:
 def test_triton_kernel_decodes_like_grouped_mm_under_a_budget(tmp_path, spec_bench_file):
     """`vat eval --experts-impl triton` (Triton interpreter, fp32) on the quick tiny target: the same generations,
     token for token, and the same τ as grouped_mm with B = 4 (k = 4 of 16 experts, so every 4-token verification
-    block of the chain draft is really cut), AR and draft alike."""
+    block of the chain draft is really cut), AR and draft alike. One of the two prompts is picked from the build at
+    hand so that the n-gram draft gets tokens accepted under the budget: τ equality then covers accepted blocks, not
+    only rejections, whatever this machine's build of the target generates."""
+    from chosen_prompts import choose_prompts
     from transformers import AutoConfig
 
     from vat.paths import resolve_target_path
@@ -233,14 +237,21 @@ def test_triton_kernel_decodes_like_grouped_mm_under_a_budget(tmp_path, spec_ben
     cfg = Eagle3Config.for_target(config, draft_vocab_size=config.vocab_size, target_path=target_dir)
     torch.manual_seed(0)
     draft_dir = save_draft(Eagle3Drafter(cfg), cfg, str(tmp_path / "run" / "final"))
+    decode = dict(steps=3, max_new_tokens=12)
+    questions = choose_prompts(
+        spec_bench_file, "ngram", lambda e: e["accepted"] > 0, str(tmp_path / "picked.jsonl"), n=1, budget=4,
+        target=target_dir, dtype="float32", device="cpu", experts_impl="grouped_mm", **decode)
+    first = json.loads(open(questions).read())
+    with open(questions, "a") as f:  # and one prompt taken as it comes, whatever it accepts
+        other = next(p for p in load_benchmark(spec_bench_file + ":qa") if p.question_id != first["question_id"])
+        f.write(json.dumps({"question_id": other.question_id, "category": other.category, "turns": other.turns}))
     runs = {}
     for impl in ("grouped_mm", "triton"):
         out = str(tmp_path / impl)
         rc = cli_main([
-            "eval", "--target", "tiny-quick", "--draft", draft_dir, "--draft", "ngram", "--benchmark",
-            spec_bench_file + ":qa", "--limit", "2", "--max-new-tokens", "8", "--steps", "3", "--budget", "4",
-            "--experts-impl", impl,
-            "--dtype", "float32", "--device", "cpu", "--output", out,
+            "eval", "--target", "tiny-quick", "--draft", draft_dir, "--draft", "ngram", "--benchmark", questions,
+            "--limit", "2", "--max-new-tokens", str(decode["max_new_tokens"]), "--steps", str(decode["steps"]),
+            "--budget", "4", "--experts-impl", impl, "--dtype", "float32", "--device", "cpu", "--output", out,
         ])
         assert rc == 0
         runs[impl] = _eval_rows(out)
@@ -253,7 +264,10 @@ def test_triton_kernel_decodes_like_grouped_mm_under_a_budget(tmp_path, spec_ben
         m_g, m_t = ev_g["results"][draft][budget][bench], ev_t["results"][draft][budget][bench]
         assert m_t["tau"] == m_g["tau"] and m_t["n_rounds"] == m_g["n_rounds"]
         assert m_t["union_per_round"] == m_g["union_per_round"]
-    # the prompt-lookup draft gets tokens accepted, so τ equality covers accepted blocks, not only rejections
+    # the picked prompt gets n-gram tokens accepted under the budget on both paths
+    accepted = {impl: {p["question_id"]: p["accepted"] for p in ev["per_prompt"]["ngram"]["4"][bench]}
+                for impl, (ev, _) in runs.items()}
+    assert accepted["triton"] == accepted["grouped_mm"] and accepted["triton"][first["question_id"]] > 0
     assert ev_t["results"]["ngram"]["4"][bench]["tau"] > 1.0
     assert ev_g["results"]["run/final"]["4"][bench]["union_per_round"]["max"] == 4  # cut to B
 

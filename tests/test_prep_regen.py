@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import datasets
 import pytest
@@ -333,14 +334,14 @@ def test_tiny_regen_data_is_built_cached_and_resumable(tmp_path, monkeypatch):
     from vat.data_prep.tiny_target import REPORT_FILE
 
     from vat import defaults
-    from vat.paths import sharegpt_path
+    from vat.paths import sharegpt_path, tiny_cache_name, tiny_seed, tiny_target_dir
 
     monkeypatch.setenv("VAT_HOME", str(tmp_path))
-    target = tmp_path / "tiny-target-quick"
+    target = tmp_path / os.path.basename(tiny_target_dir(quick=True))  # -seedN under $VAT_TINY_SEED = N
     save_tiny_target(str(target), "olmoe")
-    (target / REPORT_FILE).write_text(json.dumps({"quick": True, "seed": 0}))
+    (target / REPORT_FILE).write_text(json.dumps({"quick": True, "seed": tiny_seed()}))
     kw = dict(conversations=12, max_new_tokens=8, max_length=512, max_turns=1, batch_size=4, progress=False)
-    name = "tiny-quick-regen-c12-n8-t1-p240"
+    name = f"{tiny_cache_name('tiny-quick')}-regen-c12-n8-t1-p240"
     regen_file = tmp_path / "data" / f"{name}.jsonl"
     # a killed build left the first rows of the regen file behind
     first = regenerate_file(

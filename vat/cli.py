@@ -82,6 +82,8 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p = steps.add_parser("tiny-target", help="build the embedded tiny MoE target (tokenizer + OLMoE model) on ShareGPT")
     p.add_argument("--output", default=None, help="output directory (default: $VAT_HOME/tiny-target)")
     p.add_argument("--quick", action="store_true", help="a much smaller build for tests and smoke runs (< 2 min)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="initialisation and data-order seed (default: $VAT_TINY_SEED, else 0)")
     p.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     p.set_defaults(func=_dispatch("vat.data_prep.tiny_target:main"))
 

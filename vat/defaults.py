@@ -30,11 +30,11 @@ def ensure_tiny_data(target_name: str = "tiny", max_length: int = 1024) -> str:
         The dataset directory (``datasets.load_from_disk``).
     """
     from vat.data_prep.chat import prepare_chat
-    from vat.paths import resolve_target_path, sharegpt_path, vat_home
+    from vat.paths import resolve_target_path, sharegpt_path, tiny_cache_name, vat_home
 
     if target_name not in TINY_DATA_ROWS:
         raise VatError(f"data.train `tiny` needs the embedded target (target.path: tiny), not `{target_name}`")
-    out = os.path.join(vat_home(), "data", f"{target_name}-sharegpt-{max_length}")
+    out = os.path.join(vat_home(), "data", f"{tiny_cache_name(target_name)}-sharegpt-{max_length}")
     if os.path.exists(os.path.join(out, "stats.json")):
         return out
     target_dir = resolve_target_path(target_name)
@@ -86,7 +86,7 @@ def ensure_tiny_regen_data(
         regenerate_file,
     )
     from vat.data_prep.tiny_target import build_lock, spec_for
-    from vat.paths import resolve_target_path, sharegpt_path, vat_home
+    from vat.paths import resolve_target_path, sharegpt_path, tiny_cache_name, vat_home
 
     if target_name not in TINY_REGEN:
         raise VatError(f"data.train `tiny-regen` needs the embedded target (target.path: tiny), not `{target_name}`")
@@ -99,7 +99,7 @@ def ensure_tiny_regen_data(
     max_prompt_tokens = context - max_new_tokens - 8  # 8: slack for the reply's closing template tokens
     if max_prompt_tokens < 16:
         raise VatError(f"max_length {max_length} leaves no room for prompts with max_new_tokens {max_new_tokens}")
-    name = f"{target_name}-regen-c{conversations}-n{max_new_tokens}-t{max_turns or 'all'}-p{max_prompt_tokens}"
+    name = f"{tiny_cache_name(target_name)}-regen-c{conversations}-n{max_new_tokens}-t{max_turns or 'all'}-p{max_prompt_tokens}"
     data_dir = os.path.join(vat_home(), "data")
     out = os.path.join(data_dir, f"{name}-{max_length}")
     if os.path.exists(os.path.join(out, "stats.json")):

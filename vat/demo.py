@@ -40,6 +40,7 @@ class DemoPlan:
     train_steps: int
     eval_limit: int  # prompts per benchmark (spread over Spec-Bench's categories)
     max_new_tokens: int
+    regen_conversations: int  # ShareGPT rows the target answers for the training data (tiny-regen)
     budgets: list[int | None] = field(default_factory=list)
     drafts: dict[str, list[str]] = field(default_factory=dict)  # name -> [recipe, overrides...]; DFlash: no vocab
     train_overrides: list[str] = field(default_factory=list)  # applied to every draft's recipe
@@ -51,22 +52,27 @@ DFLASH_DRAFT = {"dflash+vat": ["dflash_vat.yaml"]}
 
 
 def plan_for(quick: bool, dflash: bool = False) -> DemoPlan:
-    """The demo's sizes; ``quick`` always trains the DFlash + VAT draft too, the full demo only with ``dflash``."""
+    """The demo's sizes; ``quick`` always trains the DFlash + VAT draft too, the full demo only with ``dflash``.
+
+    Both run on the quick tiny target (4.7 M parameters, 16 experts top-4): the full target's build alone (23.6 min
+    at 1,059 tokens/s on a slow 2-core machine) would leave no room in 30 min for the drafts, and the drafts' training
+    steps are what the demo's comparison needs most (VAT / EAGLE-3 grows from 1.12x at 50 steps to 1.25x at 100 on
+    the tiny bench). The full target carries ``vat bench recipes/bench/tiny.yaml``.
+    """
     drafts = {"eagle3": ["eagle3.yaml"], "eagle3+vat": ["eagle3_vat.yaml"]}  # recipe, then overrides
     if quick:
         return DemoPlan(target="tiny-quick", train_steps=20,
-                        eval_limit=2, max_new_tokens=16, budgets=[None, 6, 4],
+                        eval_limit=2, max_new_tokens=16, regen_conversations=600, budgets=[None, 6, 4],
                         drafts={**drafts, **DFLASH_DRAFT},
                         train_overrides=["data.tokens_per_batch=1024", "data.max_length=256"],
-                        seconds={"target": 60, "data": 60, "train": 14, "eval": 20})
-    # the bench's recipe (recipes/bench/tiny.yaml: tiny-regen data, 2048-token batches) with fewer steps, so that the
-    # whole demo fits 30 min from nothing on 2 cores: target 11.5 min, regen 4.5 min, two drafts, eval
-    # (--dflash: one more draft, ~225 s, and ~110 s more evaluation)
-    return DemoPlan(target="tiny", train_steps=120,
-                    eval_limit=13, max_new_tokens=48, budgets=[None, 6, 4],
+                        seconds={"target": 175, "data": 60, "train": 30, "eval": 45})
+    # the bench's recipe (tiny-regen data, 2048-token batches) on the quick target; stage times measured from nothing
+    # on 2 cores (docs/RESULTS.md): target build, regeneration, one draft, evaluation
+    return DemoPlan(target="tiny-quick", train_steps=150,
+                    eval_limit=13, max_new_tokens=48, regen_conversations=2000, budgets=[None, 6, 4],
                     drafts={**drafts, **(DFLASH_DRAFT if dflash else {})},
-                    train_overrides=["data.tokens_per_batch=2048", "data.max_length=512"],
-                    seconds={"target": 690, "data": 270, "train": 290, "eval": 350 if dflash else 240})
+                    train_overrides=["data.tokens_per_batch=2048", "data.max_length=256"],
+                    seconds={"target": 175, "data": 150, "train": 360, "eval": 300 if dflash else 200})
 
 
 class Stages:
@@ -100,11 +106,12 @@ class Stages:
         self.index += 1
 
 
-def ensure_demo_data(target_name: str, max_length: int) -> str:
-    """The target's own regenerated answers, prepared for training: the recipes' ``data.train: tiny-regen`` (cached)."""
-    from vat.defaults import resolve_train_data
+def ensure_demo_data(plan: DemoPlan) -> str:
+    """The target's own regenerated answers to the plan's first ShareGPT rows, prepared for training: the recipes'
+    ``data.train: tiny-regen`` at the plan's size (cached)."""
+    from vat.defaults import ensure_tiny_regen_data
 
-    return resolve_train_data("tiny-regen", target_name, max_length)
+    return ensure_tiny_regen_data(plan.target, conversations=plan.regen_conversations, max_length=_max_length(plan))
 
 
 def train_draft(name: str, recipe_and_overrides: list[str], plan: DemoPlan, data: str, vocab: str, out: str) -> str:
@@ -138,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
     from vat.data_prep.tiny_target import ensure_tiny_target
     from vat.defaults import ensure_draft_vocab
     from vat.eval.run import run_eval
-    from vat.paths import tiny_target_dir
+    from vat.paths import TINY_TARGET_NAMES, tiny_target_dir
     from vat.report import write_demo_report
 
     plan = plan_for(args.quick, dflash=getattr(args, "dflash", False))
@@ -149,16 +156,17 @@ def main(args: argparse.Namespace) -> int:
     names += [f"training {name}" for name in plan.drafts]
     names += ["speculative-decoding evaluation (Spec-Bench, HumanEval; budgets none and two smaller)", "report"]
     train_seconds = [sec_for(plan, recipe) for recipe in plan.drafts.values()]
-    built = os.path.exists(os.path.join(tiny_target_dir(args.quick), "model.safetensors"))
+    quick_target = TINY_TARGET_NAMES[plan.target]
+    built = os.path.exists(os.path.join(tiny_target_dir(quick_target), "model.safetensors"))
     sec = plan.seconds
     expected = [1 if built else sec["target"], sec["data"], 1] + train_seconds + [sec["eval"], 1]
     stages = Stages(names, expected)
     start = time.time()
 
     stages.next()
-    target_dir = ensure_tiny_target(quick=args.quick)
+    target_dir = ensure_tiny_target(quick=quick_target)
     stages.next()
-    data = ensure_demo_data(plan.target, _max_length(plan))
+    data = ensure_demo_data(plan)
     stages.next()
     from transformers import AutoConfig
 

