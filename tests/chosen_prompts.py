@@ -24,19 +24,22 @@ def choose_prompts(
     keep: Callable[[dict], bool],
     output: str,
     *,
-    n: int = 2,
+    n: int = 1,
+    others: int = 1,
     pool: int = 48,
     budget: int | None = None,
     **eval_kwargs,
 ) -> str:
-    """Write the first ``n`` prompts of ``benchmark`` whose per-prompt counts satisfy ``keep`` to a question file.
+    """Write the first ``n`` prompts of ``benchmark`` whose per-prompt counts satisfy ``keep`` to a question file,
+    then the first ``others`` of the rest, taken as they come (so the run under test sees both kinds).
 
     Args:
         benchmark: a benchmark name or file for :func:`vat.eval.benchmarks.load_benchmark` (``:category`` allowed).
         draft: one draft as :func:`vat.eval.run.run_eval` takes it (``"ngram"``, a ``(label, draft)`` pair, ...).
         keep: the property, read from one prompt's entry of ``per_prompt`` (``accepted``, ``committed``, ...).
         output: the question file to write (FastChat JSON Lines; its stem names the benchmark in an eval).
-        n: prompts wanted.
+        n: prompts with the property wanted (first in the file).
+        others: prompts of the pool added after them regardless of the property.
         pool: candidate prompts read from ``benchmark`` (spread over its categories, as an eval reads them).
         budget: the expert budget of the selecting run (None = natural routing).
         eval_kwargs: the rest of the selecting run's settings (``target``, ``steps``, ``max_new_tokens``, ...); give
@@ -52,6 +55,7 @@ def choose_prompts(
     entries = ev["per_prompt"][label]["none" if budget is None else str(budget)][bench]
     kept = [e["question_id"] for e in entries if keep(e)][:n]
     assert len(kept) == n, f"only {len(kept)} of {len(entries)} prompts of {benchmark} have the property; need {n}"
+    kept += [e["question_id"] for e in entries if e["question_id"] not in kept][:others]
     by_id = {p.question_id: p for p in load_benchmark(benchmark, limit=pool)}
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, "w") as f:

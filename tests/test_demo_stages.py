@@ -27,4 +27,6 @@ def test_plans_are_the_same_pipeline_smaller():
     assert set(quick.drafts) == {"eagle3", "eagle3+vat", "dflash+vat"}
     assert full_dflash.seconds["eval"] > full.seconds["eval"]
     assert quick.train_steps < full.train_steps and quick.eval_limit < full.eval_limit
+    # both on the quick target (its build is ~1.5 min, the full one's 11.5-24 min), the full demo on more of its answers
+    assert quick.target == full.target == "tiny-quick" and quick.regen_conversations < full.regen_conversations
     assert set(quick.seconds) == set(full.seconds) == {"target", "data", "train", "eval"}

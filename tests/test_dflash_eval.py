@@ -15,6 +15,7 @@ from tiny_models import tiny_model
 
 from vat.drafters.dflash import DFlashConfig, DFlashDrafter
 from vat.errors import VatError
+from vat.eval.benchmarks import load_benchmark
 from vat.eval.engine import SpeculativeEngine
 from vat.target import load_target
 
@@ -279,12 +280,19 @@ def test_block_decoding_on_the_quick_tiny_target_is_its_greedy_decode(tmp_path):
     draft.set_lm_head(target.lm_head().weight)
     target.aux_layer_ids = list(cfg.target_layer_ids)
     engine = SpeculativeEngine(target, draft, max_new_tokens=32)
-    accepted = 0
-    for question in ("How do I make a cup of tea?", "Write a short poem about the sea."):
+    accepted = decoded = 0
+    # two chat prompts, then Spec-Bench's until a drafted token was accepted: which prompts get one depends on the
+    # build of the target (another CPU or $VAT_TINY_SEED), that some do does not
+    questions = ["How do I make a cup of tea?", "Write a short poem about the sea."]
+    questions += [p.turns[0] for p in load_benchmark("spec_bench", limit=26)]
+    for question in questions:
+        if decoded >= 2 and accepted > 0:
+            break
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                                tokenize=True, return_dict=False)
         gen = engine.generate(list(prompt))
         assert gen.token_ids == greedy_reference(model, list(prompt), 32), question
         accepted += sum(r.accepted for r in gen.rounds)
+        decoded += 1
     target.close()
-    assert accepted > 0, accepted  # the accept path ran on real text
+    assert accepted > 0, f"no drafted token accepted in {decoded} prompts"  # the accept path ran on real text

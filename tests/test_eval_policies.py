@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from chosen_prompts import choose_prompts
 from test_eval_engine import make_draft
 
 from vat.errors import VatError
@@ -77,10 +78,14 @@ def test_ecospec_eval_decodes_the_ar_output(quick, spec_bench_file, tmp_path):
                                      target.num_experts)
     affinity = str(tmp_path / "affinity.safetensors")
     save_file({"affinity": table}, affinity, metadata={"indexed_by": "target_id"})
+    eco = dict(tree="3,3,8", tree_policy="ecospec", ecospec_lambda=2.0, affinity=affinity, tokenizer=path,
+               target=target, max_new_tokens=12)
+    # a prompt on which this build of the target accepts some of the rigged draft's tree, and one as it comes
+    questions = choose_prompts(spec_bench_file, ("d", draft), lambda e: e["accepted"] > 0,
+                               str(tmp_path / "picked.jsonl"), pool=16, **eco)
     out = str(tmp_path / "eco")
-    ev = run_eval(target=target, drafts=[("d", draft)], benchmarks=[spec_bench_file], limit=2, max_new_tokens=12,
-                  tree="3,3,8", tree_policy="ecospec", ecospec_lambda=2.0, affinity=affinity, progress=False,
-                  plots=False, tokenizer=path, output=out)
+    ev = run_eval(drafts=[("d", draft)], benchmarks=[questions], limit=2, progress=False, plots=False, output=out,
+                  **eco)
     assert ev["settings"]["tree_policy"] == "ecospec" and ev["settings"]["ecospec_lambda"] == 2.0
     assert ev["drafts"]["d"]["ecospec_affinity"] == affinity
     with open(os.path.join(out, "generations.jsonl")) as f:
@@ -88,7 +93,7 @@ def test_ecospec_eval_decodes_the_ar_output(quick, spec_bench_file, tmp_path):
     for (qid, label), ids in rows.items():
         if label == "d":
             assert ids == rows[(qid, "none")]  # lossless at T = 0
-    assert ev["results"]["d"]["none"][ev["benchmarks"][0]]["tau"] > 1.0
+    assert len(rows) == 4 and ev["results"]["d"]["none"][ev["benchmarks"][0]]["tau"] > 1.0
 
 
 def test_bad_policy_combinations_are_refused_in_one_line(quick, spec_bench_file, tmp_path):

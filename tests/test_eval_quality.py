@@ -108,12 +108,19 @@ def test_eval_writes_quality_for_every_budgeted_row(quick, spec_bench_file, tmp_
     """The quick tiny target, the n-gram draft (nothing to train) at budgets none and 2: the natural reference is the
     AR pass; agreement and divergence recomputed from generations.jsonl; report.md shows the columns. Without the AR
     pass and without `none`, one extra natural greedy pass gives the same reference."""
+    from chosen_prompts import choose_prompts
+
     from vat.eval.run import run_eval
 
     path, target = quick
     out = str(tmp_path / "q")
-    ev = run_eval(target=target, drafts=["ngram"], benchmarks=[spec_bench_file], limit=2, max_new_tokens=12,
-                  steps=3, budgets="none,2", output=out, progress=False, plots=False, tokenizer=path)
+    decode = dict(target=target, tokenizer=path, max_new_tokens=12, steps=3)
+    # a prompt whose answer B = 2 changes on this build of the target (so the figures are not all trivially 1),
+    # and one as it comes
+    questions = choose_prompts(spec_bench_file, "ngram", lambda e: e["quality"]["matches"] < e["quality"]["compared"],
+                               str(tmp_path / "picked.jsonl"), pool=16, budget=2, **decode)
+    ev = run_eval(drafts=["ngram"], benchmarks=[questions], limit=2, budgets="none,2", output=out, progress=False,
+                  plots=False, **decode)
     bench = ev["benchmarks"][0]
     assert "lossless" in ev["quality_reference"][bench]["source"]
     q = ev["results"]["ngram"]["2"][bench]["quality"]

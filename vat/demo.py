@@ -8,9 +8,8 @@ Stages (each cached, so a second run reuses what exists):
 3. the draft vocabulary;
 4. training: the EAGLE-3 baseline and EAGLE-3 + VAT with the bench's recipes, on the same data, steps and seed;
    the DFlash block drafter + VAT beside them in ``--quick`` (seconds) and with ``--dflash`` in the full demo (about
-   +6 min on 2 cores: ~3.8 min of training at 120 steps and ~2 min more evaluation, from the tiny bench's measured
-   stage times: a DFlash draft trains in 0.77x an EAGLE-3 draft's time and block verification evaluates in ~2.3x
-   a chain's);
+   +4 min on 2 cores, estimated from the tiny bench's stage times: a DFlash draft trains in 0.77x an EAGLE-3 draft's
+   time and block verification evaluates in ~2.3x a chain's);
 5. evaluation: real speculative decoding on Spec-Bench and HumanEval (chain drafting K = 7 for EAGLE-3, blocks of 8
    for DFlash: the same 7 drafted tokens per round), with no budget and two expert budgets, beside the
    training-free n-gram draft and the autoregressive baseline in the same run;
@@ -65,14 +64,15 @@ def plan_for(quick: bool, dflash: bool = False) -> DemoPlan:
                         eval_limit=2, max_new_tokens=16, regen_conversations=600, budgets=[None, 6, 4],
                         drafts={**drafts, **DFLASH_DRAFT},
                         train_overrides=["data.tokens_per_batch=1024", "data.max_length=256"],
-                        seconds={"target": 175, "data": 60, "train": 30, "eval": 45})
+                        seconds={"target": 89, "data": 20, "train": 15, "eval": 20})
     # the bench's recipe (tiny-regen data, 2048-token batches) on the quick target; stage times measured from nothing
-    # on 2 cores (docs/RESULTS.md): target build, regeneration, one draft, evaluation
+    # on 2 idle cores (docs/RESULTS.md): target build, regeneration, one draft, evaluation (--dflash: x1.46, the
+    # tiny bench's block-vs-chain evaluation cost); a slower machine corrects them after the first stage
     return DemoPlan(target="tiny-quick", train_steps=150,
                     eval_limit=13, max_new_tokens=48, regen_conversations=2000, budgets=[None, 6, 4],
                     drafts={**drafts, **(DFLASH_DRAFT if dflash else {})},
                     train_overrides=["data.tokens_per_batch=2048", "data.max_length=256"],
-                    seconds={"target": 175, "data": 150, "train": 360, "eval": 300 if dflash else 200})
+                    seconds={"target": 89, "data": 43, "train": 250, "eval": 140 if dflash else 96})
 
 
 class Stages:
