@@ -53,8 +53,8 @@ def load_old_module(rev: str) -> types.ModuleType:
 def default_target() -> tuple[str, str]:
     from vat.paths import tiny_target_dir
 
-    for quick, name in ((False, "tiny (full)"), (True, "tiny-quick")):
-        path = tiny_target_dir(quick)
+    for size, name in (("full", "tiny (full)"), ("quick", "tiny-quick")):
+        path = tiny_target_dir(size)
         if os.path.exists(os.path.join(path, "model.safetensors")):
             return path, name
     raise SystemExit("no tiny target built: run `vat prep tiny-target` (or --quick), or pass --target")

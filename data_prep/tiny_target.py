@@ -28,13 +28,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 import torch
-from tqdm.auto import tqdm
 from vat.data_prep.chat import normalize_record
+from vat.data_prep.code_chats import read_code_chats
 from vat.data_prep.readers import ReadStats, iter_records
+from vat.data_prep.tiny_pretrain import pretrain
 from vat.data_prep.tokenizer_train import ENDOFTEXT, IM_END, MASK, PAD, train_tokenizer
 
 from vat.errors import VatError
-from vat.paths import sharegpt_path, tiny_seed, tiny_target_dir
+from vat.paths import TINY_SIZES, sharegpt_path, tiny_seed, tiny_target_dir
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class TinyTargetSpec:
     max_conv_tokens: int = 1024  # and the rendered conversation to this many tokens
     min_ascii_frac: float = 0.9  # conversations with less ASCII text are skipped (non-English: too hard at this size)
     skip_code: bool = True  # skip conversations with ``` code blocks: the budget buys English, not half of both
+    code_fraction: float = 0.0  # share of the training text from the standard library's functions as code chats
+    code_heldout: int = 0  # held-out code chats (their perplexity is reported apart from the chat one)
+    max_code_chars: int = 1500  # longest function kept as a code chat
     heldout_conversations: int = 300
     heldout_every: int = 10  # every 10th kept conversation is held out until there are enough
     # optimisation
@@ -104,9 +108,40 @@ QUICK_SPEC = replace(
 )
 
 
-def spec_for(quick: bool) -> TinyTargetSpec:
-    """The build spec of the full or quick tiny target."""
-    return QUICK_SPEC if quick else FULL_SPEC
+# The bench target (provisional sizes, to be chosen on held-out text): OLMoE-1B-7B's routing shape, 64 fine-grained
+# experts top-8 (8 x 64 = 512 active expert units per token, as OLMoE's 8 x 1024 at hidden 2048 scaled down), trained on
+# ShareGPT with its code conversations kept plus the standard library's functions as code chats, so that HumanEval
+# prompts get code and chat prompts get prompt-dependent answers.
+BENCH_SPEC = replace(
+    FULL_SPEC,
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    intermediate_size=64,
+    num_experts=64,
+    num_experts_per_tok=8,
+    skip_code=False,
+    code_fraction=0.3,
+    code_heldout=150,
+    train_tokens=8_000_000,
+    batch_size=8,
+    lr=4e-3,
+)
+SPECS = {"full": FULL_SPEC, "quick": QUICK_SPEC, "bench": BENCH_SPEC}
+assert set(SPECS) == set(TINY_SIZES)
+
+
+def spec_for(size: str) -> TinyTargetSpec:
+    """The build spec of the tiny target of ``size`` (``full``, ``quick`` or ``bench``)."""
+    if size not in SPECS:
+        raise VatError(f"unknown tiny-target size `{size}`; expected one of {', '.join(SPECS)}")
+    return SPECS[size]
+
+
+def smoke_spec(spec: TinyTargetSpec) -> TinyTargetSpec:
+    """The same architecture trained on a sliver of text: checks a build end to end in seconds (CI)."""
+    return replace(spec, vocab_size=1024, train_tokens=4 * spec.seq_len * 3, batch_size=4, heldout_conversations=8,
+                   code_heldout=min(spec.code_heldout, 8), max_position_embeddings=spec.seq_len)
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -154,7 +189,7 @@ def read_conversations(path: str, spec: TinyTargetSpec) -> tuple[list[list[dict]
     skipped: Counter = Counter()
     train: list[list[dict]] = []
     heldout: list[list[dict]] = []
-    needed_chars = spec.train_tokens * CHARS_PER_TOKEN * READ_MARGIN
+    needed_chars = spec.train_tokens * CHARS_PER_TOKEN * READ_MARGIN * (1 - spec.code_fraction)
     train_chars = kept = 0
     with contextlib.closing(iter_records(path, read_stats)) as records:
         for record in records:
@@ -271,88 +306,6 @@ def count_parameters(model) -> dict:
     return {"total": total, "active_per_token": active, "experts": experts, "embedding": embed}
 
 
-# ------------------------------------------------------------------------------------------------------- training
-
-
-def _lr_lambda(step: int, total: int, spec: TinyTargetSpec) -> float:
-    """Linear warmup then cosine decay to ``min_lr_ratio`` (a multiplier of ``spec.lr``)."""
-    warmup = max(1, int(total * spec.warmup_frac))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _param_groups(model, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (incl. the 3-D expert weights and the LM head); none on norms and the embedding."""
-    embed = model.get_input_embeddings().weight
-    decay = [p for p in model.parameters() if p.dim() >= 2 and p is not embed]
-    no_decay = [p for p in model.parameters() if p.dim() < 2 or p is embed]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _row_order(n_rows: int, n_needed: int, seed: int) -> torch.Tensor:
-    """Row indices for ``n_needed`` draws: a fresh seeded permutation per epoch. Returns ``(n_needed,)``."""
-    gen = torch.Generator().manual_seed(seed)
-    epochs = -(-n_needed // n_rows)
-    return torch.cat([torch.randperm(n_rows, generator=gen) for _ in range(epochs)])[:n_needed]
-
-
-def pretrain(model, rows: torch.Tensor, spec: TinyTargetSpec, seed: int) -> dict:
-    """Pretrain ``model`` on packed ``rows`` (N, T) for ``spec.train_tokens`` tokens with AdamW + cosine.
-
-    The loss is the LM cross-entropy on every token plus ``router_aux_loss_coef`` x the load-balancing loss.
-    A non-finite loss skips the step (counted); ``max_bad_steps`` in a row stop the build.
-
-    Returns:
-        Training metrics: steps, tokens, epochs, final losses, skipped steps, seconds.
-    """
-    batch, seq_len = spec.batch_size, rows.shape[1]
-    steps = max(1, spec.train_tokens // (batch * seq_len))
-    order = _row_order(rows.shape[0], steps * batch, seed)
-    opt = torch.optim.AdamW(_param_groups(model, spec.weight_decay), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_lambda(s, steps, spec))
-    model.train()
-    ema_lm = ema_aux = None
-    bad_in_row = skipped = 0
-    start = time.perf_counter()
-    bar = tqdm(range(steps), desc="pretrain tiny target", unit="step", dynamic_ncols=True)
-    for step in bar:
-        x = rows[order[step * batch : (step + 1) * batch]]  # (B, T)
-        out = model(input_ids=x, labels=x, output_router_logits=True, use_cache=False)
-        if not torch.isfinite(out.loss):
-            skipped, bad_in_row = skipped + 1, bad_in_row + 1
-            opt.zero_grad(set_to_none=True)
-            if bad_in_row >= spec.max_bad_steps:
-                raise VatError(f"tiny-target pretraining diverged: {bad_in_row} non-finite losses in a row at step {step}")
-            continue
-        bad_in_row = 0
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        aux = float(out.aux_loss.detach())
-        lm = float(out.loss.detach()) - spec.router_aux_loss_coef * aux
-        ema_lm = lm if ema_lm is None else 0.95 * ema_lm + 0.05 * lm
-        ema_aux = aux if ema_aux is None else 0.95 * ema_aux + 0.05 * aux
-        elapsed = time.perf_counter() - start
-        bar.set_postfix(loss=f"{ema_lm:.3f}", aux=f"{ema_aux:.3f}", tok_s=f"{(step + 1) * batch * seq_len / elapsed:.0f}")
-    bar.close()
-    seconds = time.perf_counter() - start
-    return {
-        "steps": steps,
-        "tokens_trained": steps * batch * seq_len,
-        "epochs": steps * batch / rows.shape[0],
-        "train_rows": rows.shape[0],
-        "final_train_loss": ema_lm,
-        "final_aux_loss": ema_aux,
-        "skipped_nonfinite_steps": skipped,
-        "train_seconds": seconds,
-        "train_tokens_per_second": steps * batch * seq_len / seconds,
-    }
-
-
 # ----------------------------------------------------------------------------------------------------- evaluation
 
 
@@ -467,13 +420,18 @@ def build_lock(output_dir: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _check_output(output_dir: str, quick: bool, seed: int, force: bool) -> dict | None:
+def report_size(report: dict) -> str:
+    """The size of a build from its report (reports written before sizes existed have only ``quick``)."""
+    return report.get("size") or ("quick" if report.get("quick") else "full")
+
+
+def _check_output(output_dir: str, size: str, seed: int, force: bool) -> dict | None:
     """Return the cached report if ``output_dir`` holds a matching build; raise if it holds something else."""
     report = read_report(output_dir)
     if report is not None and not force:
-        if report.get("quick") != quick or report.get("seed") != seed:
+        if report_size(report) != size or report.get("seed") != seed:
             raise VatError(
-                f"{output_dir} holds a tiny target built with quick={report.get('quick')} seed={report.get('seed')}; "
+                f"{output_dir} holds a tiny target built with size={report_size(report)} seed={report.get('seed')}; "
                 "pass --force to rebuild it or choose another --output"
             )
         return report
@@ -482,15 +440,30 @@ def _check_output(output_dir: str, quick: bool, seed: int, force: bool) -> dict 
     return None
 
 
-def _build_into(tmp_dir: str, quick: bool, seed: int) -> dict:
-    """Run the whole build, writing model, tokenizer and (last) the report into ``tmp_dir``."""
-    start, cpu_start = time.perf_counter(), time.process_time()
-    spec = spec_for(quick)
-    data_path = sharegpt_path()
-    torch.manual_seed(seed)
+def read_training_chats(spec: TinyTargetSpec) -> tuple[list[list[dict]], dict[str, list[list[dict]]], dict]:
+    """The build's training conversations and held-out sets: ShareGPT, plus the code chats when the spec mixes them.
 
-    logger.info("building the %s tiny target: reading ShareGPT from %s", "quick" if quick else "full", data_path)
-    train_convs, heldout_convs, data_stats = read_conversations(data_path, spec)
+    Returns:
+        ``(train, heldout, stats)``: ``heldout`` maps ``chat`` (and ``code``) to its conversations; stats per source.
+    """
+    train, heldout_chat, stats = read_conversations(sharegpt_path(), spec)
+    heldout = {"chat": heldout_chat}
+    if spec.code_fraction > 0:
+        code_chars = spec.train_tokens * CHARS_PER_TOKEN * READ_MARGIN * spec.code_fraction
+        code_train, heldout["code"], code_stats = read_code_chats(code_chars, spec.code_heldout,
+                                                                  max_chars=spec.max_code_chars)
+        train = train + code_train
+        stats = {**stats, "code": code_stats}
+    return train, heldout, stats
+
+
+def _build_into(work_dir: str, size: str, seed: int, spec: TinyTargetSpec) -> dict:
+    """Run the whole build, writing model, tokenizer and (last) the report into ``work_dir``; pretraining resumes
+    from the state a killed build left in ``work_dir``."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    torch.manual_seed(seed)
+    logger.info("building the %s tiny target from ShareGPT%s", size, " and Python code" if spec.code_fraction else "")
+    train_convs, heldout_convs, data_stats = read_training_chats(spec)
     logger.info("kept %d conversations; skipped %s", data_stats["rows_kept"], data_stats["skipped"])
 
     t0 = time.perf_counter()
@@ -500,25 +473,25 @@ def _build_into(tmp_dir: str, quick: bool, seed: int) -> dict:
     tokenizer_seconds = time.perf_counter() - t0
     logger.info("trained a %d-token byte-level BPE in %.1f s", len(tokenizer), tokenizer_seconds)
     rows = pack_conversations(tokenizer, train_convs, spec)  # (N, seq_len)
-    heldout = encode_heldout(tokenizer, heldout_convs, spec.seq_len)
 
     torch.manual_seed(seed)
     model = build_model(spec, tokenizer)
     params = count_parameters(model)
     logger.info("OLMoE tiny target: %.2fM parameters (%.2fM active per token)", params["total"] / 1e6,
                 params["active_per_token"] / 1e6)
-    train_metrics = pretrain(model, rows, spec, seed)
-    logger.info("evaluating on %d held-out conversations", len(heldout))
-    evaluation = heldout_perplexity(model, heldout, tokenizer.pad_token_id)
+    train_metrics = pretrain(model, rows, spec, seed, state_dir=work_dir)
+    evaluation = {name: heldout_perplexity(model, encode_heldout(tokenizer, convs, spec.seq_len), tokenizer.pad_token_id)
+                  for name, convs in heldout_convs.items()}
     samples = greedy_samples(model, tokenizer, SAMPLE_PROMPTS)
 
-    model.save_pretrained(tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
+    model.save_pretrained(work_dir)
+    tokenizer.save_pretrained(work_dir)
     import transformers
 
     report = {
-        "name": "tiny-target-quick" if quick else "tiny-target",
-        "quick": quick,
+        "name": "tiny-target" if size == "full" else f"tiny-target-{size}",
+        "size": size,
+        "quick": size == "quick",
         "seed": seed,
         "architecture": "OlmoeForCausalLM",
         "spec": asdict(spec),
@@ -526,10 +499,12 @@ def _build_into(tmp_dir: str, quick: bool, seed: int) -> dict:
         "uniform_ppl": len(tokenizer),
         "parameters": params,
         **train_metrics,
-        "heldout_ppl": evaluation["ppl"],
-        "heldout_assistant_ppl": evaluation["assistant_ppl"],
-        "heldout_tokens": evaluation["tokens"],
-        "heldout_assistant_tokens": evaluation["assistant_tokens"],
+        "heldout_ppl": evaluation["chat"]["ppl"],
+        "heldout_assistant_ppl": evaluation["chat"]["assistant_ppl"],
+        "heldout_tokens": evaluation["chat"]["tokens"],
+        "heldout_assistant_tokens": evaluation["chat"]["assistant_tokens"],
+        **({"heldout_code_ppl": evaluation["code"]["ppl"],
+            "heldout_code_assistant_ppl": evaluation["code"]["assistant_ppl"]} if "code" in evaluation else {}),
         "tokenizer_seconds": tokenizer_seconds,
         "build_seconds": time.perf_counter() - start,
         "build_cpu_seconds": time.process_time() - cpu_start,
@@ -540,22 +515,41 @@ def _build_into(tmp_dir: str, quick: bool, seed: int) -> dict:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
     }
-    with open(os.path.join(tmp_dir, REPORT_FILE), "w") as f:  # written last: marks the build complete
+    with open(os.path.join(work_dir, REPORT_FILE), "w") as f:  # written last: marks the build complete
         json.dump(report, f, indent=2)
     return report
 
 
-def build_tiny_target(output_dir: str, quick: bool = False, seed: int = 0, force: bool = False) -> dict:
-    """Build the tiny MoE target into ``output_dir`` (or return the cached build's report at once).
+def _partial_dir(output_dir: str, size: str, seed: int, spec: TinyTargetSpec, force: bool) -> str:
+    """``<output_dir>.partial``: where a build runs and a killed one left its state. Kept when it was started with
+    the same settings (the build resumes there), emptied otherwise or with ``force``."""
+    work = f"{output_dir}.partial"
+    settings = {"size": size, "seed": seed, "spec": asdict(spec)}
+    marker = os.path.join(work, "build_settings.json")
+    same = os.path.isfile(marker) and json.load(open(marker)) == settings
+    if force or not same:
+        shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work, exist_ok=True)
+    if not os.path.isfile(os.path.join(work, REPORT_FILE)):
+        with open(marker, "w") as f:
+            json.dump(settings, f)
+    return work
 
-    The build happens in a temporary sibling directory that is renamed into place when complete, under a lock, so
-    concurrent callers never see (or both build) a half-written target.
+
+def build_tiny_target(output_dir: str, size: str = "full", seed: int = 0, force: bool = False,
+                      smoke: bool = False) -> dict:
+    """Build the tiny MoE target of ``size`` into ``output_dir`` (or return the cached build's report at once).
+
+    The build runs in ``<output_dir>.partial`` under a lock and is renamed into place when complete, so concurrent
+    callers never see (or both build) a half-written target; a build that was killed resumes its pretraining from
+    the state it saved there (every 5 minutes).
 
     Args:
         output_dir: destination directory.
-        quick: the small build (tests, smoke runs) instead of the full one.
+        size: ``full`` (the default target), ``quick`` (tests, the demo) or ``bench`` (64 experts top-8, code).
         seed: seeds initialisation and data order.
-        force: rebuild even if ``output_dir`` holds a complete build.
+        force: rebuild even if ``output_dir`` holds a complete build (and start a partial one afresh).
+        smoke: the same architecture trained on a sliver of text (seconds; checks the build, not a usable target).
 
     Returns:
         The build report (also in ``output_dir/build_report.json``).
@@ -563,35 +557,39 @@ def build_tiny_target(output_dir: str, quick: bool = False, seed: int = 0, force
     Raises:
         VatError: ShareGPT data missing, ``output_dir`` holds something else, or pretraining diverged.
     """
+    spec = smoke_spec(spec_for(size)) if smoke else spec_for(size)
     output_dir = os.path.abspath(output_dir)
     os.makedirs(os.path.dirname(output_dir), exist_ok=True)
-    cached = _check_output(output_dir, quick, seed, force)
+    cached = _check_output(output_dir, size, seed, force)
     if cached is not None:
         return cached
     with build_lock(output_dir):
-        cached = _check_output(output_dir, quick, seed, force)  # another process may have finished meanwhile
+        cached = _check_output(output_dir, size, seed, force)  # another process may have finished meanwhile
         if cached is not None:
             return cached
-        tmp_dir = f"{output_dir}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        try:
-            with deterministic_cpu():
-                report = _build_into(tmp_dir, quick, seed)
-            old = f"{output_dir}.old-{os.getpid()}"
-            if os.path.exists(output_dir):  # force (or an empty directory): swap the old one out
-                os.rename(output_dir, old)
-            os.rename(tmp_dir, output_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        work = _partial_dir(output_dir, size, seed, spec, force)
+        with deterministic_cpu():
+            report = _build_into(work, size, seed, spec)
+        if smoke:
+            report["smoke"] = True
+            with open(os.path.join(work, REPORT_FILE), "w") as f:
+                json.dump(report, f, indent=2)
+        for name in ("pretrain_state.pt", "build_settings.json"):  # the build is complete: no resume state
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(work, name))
+        old = f"{output_dir}.old-{os.getpid()}"
+        if os.path.exists(output_dir):  # force (or an empty directory): swap the old one out
+            os.rename(output_dir, old)
+        os.rename(work, output_dir)
+        shutil.rmtree(old, ignore_errors=True)
     return report
 
 
-def ensure_tiny_target(quick: bool = False) -> str:
-    """Directory of the embedded tiny target at its default location, building it first if needed (with the seed
-    of ``$VAT_TINY_SEED``, default 0)."""
-    output_dir = tiny_target_dir(quick)
-    build_tiny_target(output_dir, quick=quick, seed=tiny_seed())
+def ensure_tiny_target(size: str = "full") -> str:
+    """Directory of the embedded tiny target of ``size`` at its default location, building it first if needed (with
+    the seed of ``$VAT_TINY_SEED``, default 0)."""
+    output_dir = tiny_target_dir(size)
+    build_tiny_target(output_dir, size=size, seed=tiny_seed())
     return output_dir
 
 
@@ -607,22 +605,32 @@ def format_report(report: dict, output_dir: str) -> str:
         f"over {report['data']['train_conversations']} conversations)",
         f"  held-out perplexity: {report['heldout_ppl']:.1f} (assistant tokens {report['heldout_assistant_ppl']:.1f}); "
         f"uniform = {report['uniform_ppl']}",
-        f"  build time: {report['build_seconds']:.0f} s ({report['train_tokens_per_second']:.0f} train tokens/s)",
+        f"  build time: {report['build_seconds']:.0f} s"
+        + (f" ({report['train_tokens_per_second']:.0f} train tokens/s)" if report.get("train_tokens_per_second") else "")
+        + (f", resumed at step {report['resumed_from_step']}" if report.get("resumed_from_step") else ""),
     ]
+    if "heldout_code_ppl" in report:
+        lines.insert(4, f"  held-out code perplexity: {report['heldout_code_ppl']:.1f} (code {report['data']['code']['python']} "
+                        f"standard library, {report['data']['code']['train_chats']} code chats)")
     for s in report.get("samples", []):
         lines.append(f"  > {s['prompt']}\n    {s['output']!r}")
     return "\n".join(lines)
 
 
 def main(args) -> int:
-    """`vat prep tiny-target [--output DIR] [--quick] [--seed N] [--force]`."""
+    """`vat prep tiny-target [--size full|quick|bench] [--output DIR] [--seed N] [--force] [--smoke] [--quality]`."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    output_dir = args.output or tiny_target_dir(args.quick)
+    size = "quick" if args.quick else args.size
+    output_dir = args.output or tiny_target_dir(size)
     seed = tiny_seed() if args.seed is None else args.seed
     cached = not args.force and read_report(output_dir) is not None
-    report = build_tiny_target(output_dir, quick=args.quick, seed=seed, force=args.force)
+    report = build_tiny_target(output_dir, size=size, seed=seed, force=args.force, smoke=args.smoke)
     if cached:
         print("(cached build; pass --force to rebuild)")
     print(format_report(report, os.path.abspath(output_dir)))
+    if args.quality or (size == "bench" and not args.smoke):
+        from vat.eval.target_quality import write_quality  # CLI dispatch: the eval engine runs the target
+
+        print(write_quality(output_dir, output_dir))
     return 0

@@ -42,7 +42,8 @@ def backfill(eval_dir: str, *, target=None, tokenizer=None) -> bool:
     if target is None or tokenizer is None:
         target, tokenizer = _load(result["target"], result["target_info"])
     limit = result["settings"].get("limit")
-    questions = {name: {p.question_id: p.turns for p in load_benchmark(name, limit=limit)}
+    sources = result.get("benchmark_sources", {})  # a question file's path; older evals: the name alone
+    questions = {name: {p.question_id: p.turns for p in load_benchmark(sources.get(name, name), limit=limit)}
                  for name in result["benchmarks"]}
     steps: dict[tuple, dict] = {}  # (label, budget, benchmark, question_id) -> step counts summed over turns
     with open(os.path.join(eval_dir, "generations.jsonl")) as f:

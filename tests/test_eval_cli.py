@@ -98,6 +98,15 @@ def test_cli_smoke_writes_every_output(saved, spec_bench_file):
 
     report = open(os.path.join(out, "report.md")).read()
     assert "| draft | budget | τ |" in report and "run/final" in report and "union_vs_tau.png" in report
+    # one decoded answer per benchmark: the first prompt (file order) and the AR run's first-turn text
+    first = rows[0]
+    example = ev["examples"][bench]
+    assert (example["draft"], example["budget"]) == ("none", "none") and (first["draft"], first["budget"]) == ("none", "none")
+    assert example["answer"] == first["text"][0]
+    question = json.loads(open(spec_bench_file).readline())  # Spec-Bench's first question leads the spread
+    assert example["question"] == question["turns"][0] and first["question_id"] == question["question_id"]
+    assert "Example: the first prompt and the answer of `none` at budget none:" in report
+    assert (example["answer"][:50] if "```" not in example["answer"] else "```text") in report
 
 
 def test_run_eval_finds_the_target_from_the_draft(saved, spec_bench_file):
@@ -131,7 +140,7 @@ def test_ngram_cli_on_tiny_target_needs_no_trained_draft(saved, spec_bench_file,
     import vat.data_prep.tiny_target as tiny
 
     root, target_dir, _ = saved
-    monkeypatch.setattr(tiny, "ensure_tiny_target", lambda quick=False: target_dir)
+    monkeypatch.setattr(tiny, "ensure_tiny_target", lambda size="full": target_dir)
     out = str(root / "ngram_out")
     rc = cli_main([
         "eval", "--target", "tiny", "--draft", "ngram", "--benchmark", spec_bench_file, "--limit", "2",

@@ -177,8 +177,8 @@ def test_eval_writes_quality_for_every_budgeted_row(quick, spec_bench_file, tmp_
     assert mended["per_prompt"]["ngram"]["2"][bench] == per
     assert not backfill.backfill(out, target=target, tokenizer=None)  # nothing left to add: the target is not loaded
 
-    again = run_eval(target=target, drafts=["ngram"], benchmarks=[spec_bench_file], limit=2, max_new_tokens=12,
-                     steps=3, budgets="2", progress=False, plots=False, tokenizer=path, autoregressive=False)
+    again = run_eval(drafts=["ngram"], benchmarks=[questions], limit=2, budgets="2", progress=False, plots=False,
+                     autoregressive=False, **decode)
     assert "extra AR pass" in again["quality_reference"][bench]["source"]
     q2 = again["results"]["ngram"]["2"][bench]["quality"]
     for key in ("agreement", "first_divergence", "stepwise_agreement", "kl_to_natural"):

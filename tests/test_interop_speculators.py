@@ -65,7 +65,7 @@ def target():
 
     from vat.target.model import load_target
 
-    path = ensure_tiny_target(quick=True)
+    path = ensure_tiny_target("quick")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return path, hf, load_target(hf, experts_impl="eager")
 

@@ -33,6 +33,7 @@ def test_demo_quick_writes_report_tables_and_plots(demo_dir):
         assert budget in report
     assert "| benchmark | budget B | τ eagle3 | τ eagle3+vat | τ dflash+vat |" in report
     assert "DFlash blocks of 8 for `dflash+vat`" in report
+    assert "## What the target answered" in report and "**humaneval**" in report
     head = json.loads((demo_dir / "demo.json").read_text())["headline"]
     assert [(r["benchmark"], r["budget"]) for r in head] == [
         (b, B) for b in ("spec_bench", "humaneval") for B in ("none", "6", "4")]

@@ -337,7 +337,7 @@ def test_tiny_regen_data_is_built_cached_and_resumable(tmp_path, monkeypatch):
     from vat.paths import sharegpt_path, tiny_cache_name, tiny_seed, tiny_target_dir
 
     monkeypatch.setenv("VAT_HOME", str(tmp_path))
-    target = tmp_path / os.path.basename(tiny_target_dir(quick=True))  # -seedN under $VAT_TINY_SEED = N
+    target = tmp_path / os.path.basename(tiny_target_dir("quick"))  # -seedN under $VAT_TINY_SEED = N
     save_tiny_target(str(target), "olmoe")
     (target / REPORT_FILE).write_text(json.dumps({"quick": True, "seed": tiny_seed()}))
     kw = dict(conversations=12, max_new_tokens=8, max_length=512, max_turns=1, batch_size=4, progress=False)

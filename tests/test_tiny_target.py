@@ -16,8 +16,10 @@ from dataclasses import replace
 import pytest
 import torch
 from vat.data_prep import tiny_target as tt
+from vat.data_prep.tiny_pretrain import STATE_FILE, lr_multiplier
 from vat.data_prep.tokenizer_train import ENDOFTEXT, IM_END, IM_START, MASK, PAD, SPECIAL_TOKENS, train_tokenizer
 
+from vat.cli import main as cli_main
 from vat.errors import VatError
 from vat.paths import resolve_target_path, sharegpt_path, tiny_cache_name, tiny_seed, tiny_target_dir, vat_home
 
@@ -53,7 +55,7 @@ def test_vat_home_and_tiny_dirs(monkeypatch, tmp_path):
     monkeypatch.setenv("VAT_HOME", str(tmp_path))
     assert vat_home() == str(tmp_path)
     assert tiny_target_dir() == os.path.join(str(tmp_path), "tiny-target")
-    assert tiny_target_dir(quick=True) == os.path.join(str(tmp_path), "tiny-target-quick")
+    assert tiny_target_dir("quick") == os.path.join(str(tmp_path), "tiny-target-quick")
     monkeypatch.delenv("VAT_HOME")
     assert vat_home() == os.path.join(os.path.expanduser("~"), ".cache", "vat")
 
@@ -64,15 +66,15 @@ def test_tiny_seed_names_its_own_builds_and_data(monkeypatch, tmp_path):
     monkeypatch.setenv("VAT_HOME", str(tmp_path))
     monkeypatch.setenv("VAT_TINY_SEED", "0")
     assert tiny_seed() == 0 and tiny_cache_name("tiny-quick") == "tiny-quick"
-    assert tiny_target_dir(quick=True) == os.path.join(str(tmp_path), "tiny-target-quick")
+    assert tiny_target_dir("quick") == os.path.join(str(tmp_path), "tiny-target-quick")
     monkeypatch.setenv("VAT_TINY_SEED", "3")
     assert tiny_seed() == 3 and tiny_cache_name("tiny") == "tiny-seed3"
     assert tiny_target_dir() == os.path.join(str(tmp_path), "tiny-target-seed3")
-    assert tiny_target_dir(quick=True) == os.path.join(str(tmp_path), "tiny-target-quick-seed3")
+    assert tiny_target_dir("quick") == os.path.join(str(tmp_path), "tiny-target-quick-seed3")
     seen = {}
-    monkeypatch.setattr(tt, "build_tiny_target", lambda out, quick, seed: seen.update(out=out, quick=quick, seed=seed))
-    assert tt.ensure_tiny_target(quick=True) == tiny_target_dir(quick=True)
-    assert seen == {"out": tiny_target_dir(quick=True), "quick": True, "seed": 3}
+    monkeypatch.setattr(tt, "build_tiny_target", lambda out, size, seed: seen.update(out=out, size=size, seed=seed))
+    assert tt.ensure_tiny_target("quick") == tiny_target_dir("quick")
+    assert seen == {"out": tiny_target_dir("quick"), "size": "quick", "seed": 3}
     for bad in ("-1", "one", "1.5"):
         monkeypatch.setenv("VAT_TINY_SEED", bad)
         with pytest.raises(VatError, match="VAT_TINY_SEED must be a non-negative integer"):
@@ -224,7 +226,7 @@ def test_full_spec_size_and_aux_layers():
 
 def test_lr_schedule_warmup_then_cosine():
     spec = tt.FULL_SPEC
-    lrs = [tt._lr_lambda(s, 100, spec) for s in range(100)]
+    lrs = [lr_multiplier(s, 100, spec) for s in range(100)]
     assert lrs[0] < lrs[3] and max(lrs) == pytest.approx(1.0, abs=1e-6)
     assert lrs[-1] == pytest.approx(spec.min_lr_ratio, abs=1e-3)
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
@@ -245,18 +247,100 @@ def test_pretrain_is_bit_reproducible(small_tokenizer):
     assert not torch.equal(states[0]["lm_head.weight"], tt.build_model(spec, small_tokenizer).lm_head.weight)
 
 
+def test_killed_pretraining_resumes_to_the_uninterrupted_weights(small_tokenizer, tmp_path, monkeypatch):
+    """A build killed mid-pretraining (here: the process dies at step 4 of 6, after a state was saved at every step)
+    resumes from the saved state and ends bit-identical to a build that was never interrupted; a state from other
+    rows is not resumed."""
+    spec = replace(tt.QUICK_SPEC, vocab_size=1024, num_hidden_layers=2, train_tokens=6 * 4 * 64, seq_len=64)
+    rows = torch.randint(5, 1024, (16, 64), generator=torch.Generator().manual_seed(1))  # (N, T)
+
+    def fresh():
+        torch.manual_seed(0)
+        return tt.build_model(spec, small_tokenizer)
+
+    with tt.deterministic_cpu(num_threads=2):
+        whole = fresh()
+        full_metrics = tt.pretrain(whole, rows, spec, seed=0)
+        state_dir = str(tmp_path / "partial")
+        os.makedirs(state_dir)
+        killed = fresh()
+        real_clip = torch.nn.utils.clip_grad_norm_
+        calls = []
+
+        def dies_at_step_four(*args, **kwargs):  # the 4th optimizer step never happens: the process is gone
+            calls.append(1)
+            if len(calls) == 4:
+                raise KeyboardInterrupt
+            return real_clip(*args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", dies_at_step_four)
+        with pytest.raises(KeyboardInterrupt):
+            tt.pretrain(killed, rows, spec, seed=0, state_dir=state_dir, save_every_seconds=0.0)
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", real_clip)
+        assert torch.load(os.path.join(state_dir, STATE_FILE), weights_only=False)["step"] == 3
+        resumed = fresh()  # a new process: fresh weights, the state on disk
+        metrics = tt.pretrain(resumed, rows, spec, seed=0, state_dir=state_dir)
+        other = fresh()
+        other_rows = rows.flip(0)
+        again = tt.pretrain(other, other_rows, spec, seed=0, state_dir=state_dir)  # not this state's rows
+    assert metrics["resumed_from_step"] == 3 and metrics["steps"] == full_metrics["steps"] == 6
+    assert metrics["final_train_loss"] == pytest.approx(full_metrics["final_train_loss"], rel=1e-12)
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+    assert again["resumed_from_step"] == 0
+
+
+def test_bench_size_is_olmoes_routing_shape_with_code():
+    spec = tt.spec_for("bench")
+    assert (spec.num_experts, spec.num_experts_per_tok) == (64, 8) and spec.code_fraction > 0 and not spec.skip_code
+    assert tt.spec_for("quick") is tt.QUICK_SPEC and tt.spec_for("full") is tt.FULL_SPEC
+    with pytest.raises(VatError, match="unknown tiny-target size"):
+        tt.spec_for("large")
+
+
+def test_partial_build_is_kept_only_for_the_same_settings(tmp_path):
+    out = str(tmp_path / "tiny-target-bench")
+    work = tt._partial_dir(out, "bench", 0, tt.BENCH_SPEC, force=False)
+    (tmp_path / "tiny-target-bench.partial" / STATE_FILE).write_text("state")
+    assert tt._partial_dir(out, "bench", 0, tt.BENCH_SPEC, force=False) == work
+    assert os.path.exists(os.path.join(work, STATE_FILE))  # same settings: a killed build resumes here
+    tt._partial_dir(out, "bench", 1, tt.BENCH_SPEC, force=False)
+    assert not os.path.exists(os.path.join(work, STATE_FILE))  # another seed: started afresh
+    (tmp_path / "tiny-target-bench.partial" / STATE_FILE).write_text("state")
+    tt._partial_dir(out, "bench", 1, tt.BENCH_SPEC, force=True)
+    assert not os.path.exists(os.path.join(work, STATE_FILE))
+
+
+def test_bench_smoke_build_has_olmoes_routing_shape_and_code(tmp_path):
+    """`vat prep tiny-target --size bench --smoke`: the bench architecture (64 experts top-8) built end to end on a
+    sliver of ShareGPT plus standard-library code chats, in seconds; the code held-out set is measured apart."""
+    from transformers import AutoConfig
+
+    out = tmp_path / "bench-smoke"
+    assert cli_main(["prep", "tiny-target", "--size", "bench", "--smoke", "--output", str(out)]) == 0
+    config = AutoConfig.from_pretrained(out)
+    assert config.model_type == "olmoe" and (config.num_experts, config.num_experts_per_tok) == (64, 8)
+    report = json.loads((out / tt.REPORT_FILE).read_text())
+    assert report["size"] == "bench" and report["smoke"] and report["steps"] == 3
+    assert report["data"]["code"]["train_chats"] > 0 and report["data"]["code"]["python"]
+    assert report["heldout_code_ppl"] > 1 and report["heldout_ppl"] > 1
+    assert not (tmp_path / "bench-smoke.partial").exists() and not (out / STATE_FILE).exists()
+
+
 def test_cache_check_refuses_foreign_dirs(tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "x.txt").write_text("not mine")
     with pytest.raises(VatError, match="not a tiny-target build"):
-        tt.build_tiny_target(str(foreign), quick=True)
+        tt.build_tiny_target(str(foreign), size="quick")
     built = tmp_path / "built"
     built.mkdir()
-    (built / tt.REPORT_FILE).write_text(json.dumps({"quick": True, "seed": 0}))
-    assert tt.build_tiny_target(str(built), quick=True) == {"quick": True, "seed": 0}  # cached: returns at once
+    (built / tt.REPORT_FILE).write_text(json.dumps({"quick": True, "seed": 0}))  # a report from before sizes
+    assert tt.build_tiny_target(str(built), size="quick") == {"quick": True, "seed": 0}  # cached: returns at once
     with pytest.raises(VatError, match="--force"):
-        tt.build_tiny_target(str(built), quick=False)
+        tt.build_tiny_target(str(built), size="full")
+    with pytest.raises(VatError, match="unknown tiny-target size"):
+        tt.build_tiny_target(str(tmp_path / "x"), size="huge")
 
 
 # ---------------------------------------------------------------------------------------------- the real build
@@ -265,8 +349,8 @@ def test_cache_check_refuses_foreign_dirs(tmp_path):
 @pytest.fixture(scope="module")
 def quick_build(tmp_path_factory):
     # named as the quick default is under the current $VAT_TINY_SEED, and built with that seed
-    out = str(tmp_path_factory.mktemp("tiny") / os.path.basename(tiny_target_dir(quick=True)))
-    report = tt.build_tiny_target(out, quick=True, seed=tt.tiny_seed())
+    out = str(tmp_path_factory.mktemp("tiny") / os.path.basename(tiny_target_dir("quick")))
+    report = tt.build_tiny_target(out, size="quick", seed=tt.tiny_seed())
     return out, report
 
 
@@ -315,10 +399,10 @@ def test_quick_build_perplexity_reproduces_from_disk(quick_build):
 def test_second_build_is_cached(quick_build, monkeypatch):
     out, report = quick_build
     start = time.perf_counter()
-    again = tt.build_tiny_target(out, quick=True, seed=tt.tiny_seed())
+    again = tt.build_tiny_target(out, size="quick", seed=tt.tiny_seed())
     assert again == report and time.perf_counter() - start < 1.0
     monkeypatch.setenv("VAT_HOME", os.path.dirname(out))  # the build sits where the quick default would be
     start = time.perf_counter()
-    assert tt.ensure_tiny_target(quick=True) == out == resolve_target_path("tiny-quick")
+    assert tt.ensure_tiny_target("quick") == out == resolve_target_path("tiny-quick")
     assert time.perf_counter() - start < 1.0
     assert not any(name.startswith(os.path.basename(out) + ".tmp") for name in os.listdir(os.path.dirname(out)))

@@ -80,8 +80,16 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_dispatch("vat.data_prep.affinity:main"))
 
     p = steps.add_parser("tiny-target", help="build the embedded tiny MoE target (tokenizer + OLMoE model) on ShareGPT")
-    p.add_argument("--output", default=None, help="output directory (default: $VAT_HOME/tiny-target)")
-    p.add_argument("--quick", action="store_true", help="a much smaller build for tests and smoke runs (< 2 min)")
+    p.add_argument("--size", default="full", choices=["full", "quick", "bench"],
+                   help="full: the default tiny target (16 experts top-4, ~12-24 min); quick: much smaller, for tests "
+                   "and the demo (~1.5 min); bench: 64 experts top-8 on chat and Python code, the target the "
+                   "evidence runs on (hours; resumes after a kill)")
+    p.add_argument("--output", default=None, help="output directory (default: $VAT_HOME/tiny-target[-SIZE])")
+    p.add_argument("--quick", action="store_true", help="the same as --size quick")
+    p.add_argument("--smoke", action="store_true", help="the size's architecture trained on a sliver of text, in "
+                   "seconds: checks the build end to end (not a usable target)")
+    p.add_argument("--quality", action="store_true", help="also write the target-quality table (quality.json/.md "
+                   "in the output; always for --size bench)")
     p.add_argument("--seed", type=int, default=None,
                    help="initialisation and data-order seed (default: $VAT_TINY_SEED, else 0)")
     p.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
@@ -123,10 +131,14 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-widths", default=None, help="also write EVICT's verification-cost profile "
                    "(profile.json `verify_cost`): expert union, modeled and measured time of verifying w tokens of "
                    "the target's own answers, for each w of this comma list, e.g. 1,2,4,8,16,32,64")
-    p.add_argument("--new-tokens", type=int, default=64, help="--verify-widths: tokens of the target's greedy answer "
-                   "per prompt (default 64)")
+    p.add_argument("--new-tokens", type=int, default=None, help="--verify-widths: tokens of the target's greedy "
+                   "answer per prompt (default 64); --quality: the answers' token cap (default 96)")
     p.add_argument("--cost-model", default="h200", help="--verify-widths: accelerator of the modeled times "
                    "(h100 | h200 | a100 | l40s; default h200)")
+    p.add_argument("--quality", action="store_true", help="write DIR/quality.json and .md instead: the "
+                   "target-quality table per benchmark (share of distinct 32-token greedy answers, distinct-4-gram "
+                   "ratio, turns ended, code answers, natural expert union per --window tokens) and one answer each; "
+                   "--benchmark defaults to spec_bench and humaneval, --limit to 40, --new-tokens to 96")
     g = p.add_argument_group("perplexity grid (Window Pool, DESIGN §13): held-out perplexity of targets side by side "
                              "under W x d_w window-sharing constraints and hard budgets B")
     g.add_argument("--perplexity-grid", action="store_true", help="write DIR/perplexity_grid.json and .md instead "

@@ -12,7 +12,7 @@ import os
 
 from vat.errors import VatError
 
-TINY_DATA_ROWS = {"tiny": 6000, "tiny-quick": 600}  # ShareGPT conversations read for each build
+TINY_DATA_ROWS = {"tiny": 6000, "tiny-quick": 600, "tiny-bench": 6000}  # ShareGPT conversations read per build
 TINY_DATA_NAMES = ("tiny", "tiny-regen")  # data.train values resolved here (anything else is a path or hub name)
 # tiny-regen defaults per target: first `conversations` ShareGPT rows, `max_turns` assistant turns each, at most
 # `max_new_tokens` per reply. Sized from the measured fast-path throughput (docs/data.md) to build in ~3-5 min on
@@ -20,6 +20,7 @@ TINY_DATA_NAMES = ("tiny", "tiny-regen")  # data.train values resolved here (any
 TINY_REGEN = {
     "tiny": {"conversations": 2000, "max_new_tokens": 96, "max_turns": 2},
     "tiny-quick": {"conversations": 600, "max_new_tokens": 64, "max_turns": 2},
+    "tiny-bench": {"conversations": 2000, "max_new_tokens": 128, "max_turns": 2},  # provisional (bench target)
 }
 
 
@@ -86,7 +87,7 @@ def ensure_tiny_regen_data(
         regenerate_file,
     )
     from vat.data_prep.tiny_target import build_lock, spec_for
-    from vat.paths import resolve_target_path, sharegpt_path, tiny_cache_name, vat_home
+    from vat.paths import resolve_target_path, sharegpt_path, tiny_cache_name, tiny_size, vat_home
 
     if target_name not in TINY_REGEN:
         raise VatError(f"data.train `tiny-regen` needs the embedded target (target.path: tiny), not `{target_name}`")
@@ -95,7 +96,7 @@ def ensure_tiny_regen_data(
     max_new_tokens = max_new_tokens or defaults["max_new_tokens"]
     max_turns = defaults["max_turns"] if max_turns is None else max_turns
     # The tiny targets are pretrained on rows of seq_len tokens (512; quick 256): conversations stay within them.
-    context = min(spec_for(target_name == "tiny-quick").seq_len, max_length)
+    context = min(spec_for(tiny_size(target_name)).seq_len, max_length)
     max_prompt_tokens = context - max_new_tokens - 8  # 8: slack for the reply's closing template tokens
     if max_prompt_tokens < 16:
         raise VatError(f"max_length {max_length} leaves no room for prompts with max_new_tokens {max_new_tokens}")

@@ -145,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
     from vat.data_prep.tiny_target import ensure_tiny_target
     from vat.defaults import ensure_draft_vocab
     from vat.eval.run import run_eval
-    from vat.paths import TINY_TARGET_NAMES, tiny_target_dir
+    from vat.paths import tiny_size, tiny_target_dir
     from vat.report import write_demo_report
 
     plan = plan_for(args.quick, dflash=getattr(args, "dflash", False))
@@ -156,15 +156,14 @@ def main(args: argparse.Namespace) -> int:
     names += [f"training {name}" for name in plan.drafts]
     names += ["speculative-decoding evaluation (Spec-Bench, HumanEval; budgets none and two smaller)", "report"]
     train_seconds = [sec_for(plan, recipe) for recipe in plan.drafts.values()]
-    quick_target = TINY_TARGET_NAMES[plan.target]
-    built = os.path.exists(os.path.join(tiny_target_dir(quick_target), "model.safetensors"))
+    built = os.path.exists(os.path.join(tiny_target_dir(tiny_size(plan.target)), "model.safetensors"))
     sec = plan.seconds
     expected = [1 if built else sec["target"], sec["data"], 1] + train_seconds + [sec["eval"], 1]
     stages = Stages(names, expected)
     start = time.time()
 
     stages.next()
-    target_dir = ensure_tiny_target(quick=quick_target)
+    target_dir = ensure_tiny_target(tiny_size(plan.target))
     stages.next()
     data = ensure_demo_data(plan)
     stages.next()

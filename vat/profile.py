@@ -146,8 +146,10 @@ def main(args: argparse.Namespace) -> int:
         from vat.window_pool.evaluate import main as grid_main
 
         return grid_main(args)
+    if getattr(args, "quality", False):
+        return quality_main(args)
     if args.benchmark is None:
-        raise VatError("vat profile needs --benchmark (or --perplexity-grid)")
+        raise VatError("vat profile needs --benchmark (or --perplexity-grid, --quality)")
     if args.window < 1:
         raise VatError("--window must be >= 1")
     budget = parse_budget(args.budget)
@@ -165,7 +167,8 @@ def main(args: argparse.Namespace) -> int:
     result = profile_target(target, prompts_ids, args.window, budget, args.policy)
     widths = getattr(args, "verify_widths", None)
     if widths:
-        result["verify_cost"] = verify_cost_profile(target, prompts_ids, widths, getattr(args, "new_tokens", 64),
+        new_tokens = getattr(args, "new_tokens", None) or 64
+        result["verify_cost"] = verify_cost_profile(target, prompts_ids, widths, new_tokens,
                                                     getattr(args, "cost_model", None) or "h200")
     result.update({"target": args.target, "benchmark": args.benchmark, "seconds": round(time.time() - start, 2)})
     os.makedirs(args.output, exist_ok=True)
@@ -176,6 +179,21 @@ def main(args: argparse.Namespace) -> int:
         f.write(_markdown(result))
     print(_markdown(result))
     print(f"wrote {path}")
+    return 0
+
+
+def quality_main(args: argparse.Namespace) -> int:
+    """`vat profile --quality`: the target-quality table (:mod:`vat.eval.target_quality`) -> DIR/quality.{json,md}."""
+    from vat.eval.target_quality import write_quality
+
+    text = write_quality(
+        args.target, args.output, benchmarks=[args.benchmark] if args.benchmark else ("spec_bench", "humaneval"),
+        limit=args.limit or 40, max_new_tokens=getattr(args, "new_tokens", None) or 96, window=args.window,
+        dtype=getattr(args, "dtype", "auto"), device=getattr(args, "device", None),
+        experts_impl=getattr(args, "experts_impl", "grouped_mm"), device_map=getattr(args, "device_map", None),
+    )
+    print(text)
+    print(f"wrote {os.path.join(args.output, 'quality.json')}")
     return 0
 
 

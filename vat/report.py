@@ -216,6 +216,20 @@ def evaluation_tables(results: dict) -> list[str]:
     return lines
 
 
+def example_lines(results: dict) -> list[str]:
+    """One decoded answer per benchmark (the eval's first prompt), so the τ tables are read beside what the drafts
+    were predicting."""
+    from vat.eval.report import example_block
+
+    examples = results.get("examples", {})
+    if not examples:
+        return []
+    lines = ["## What the target answered", ""]
+    for name, example in examples.items():
+        lines += [f"**{name}**", "", example_block(example), ""]
+    return lines
+
+
 def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir: str, wall_seconds: float,
                       quick: bool = False) -> str:
     """Write ``out/report.md`` (+ demo.json, PNGs); returns the report path."""
@@ -250,6 +264,7 @@ def write_demo_report(out: str, finals: dict[str, str], results: dict, eval_dir:
         "",
         *head_lines,
         "",
+        *example_lines(results),
         "## Training (same data, steps and seed)",
         "",
         *train_lines,

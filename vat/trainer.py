@@ -151,11 +151,12 @@ class Trainer:
 
     def _setup_data(self) -> None:
         from vat.defaults import TINY_DATA_NAMES, ensure_draft_vocab, resolve_train_data
+        from vat.paths import TINY_TARGET_NAMES
 
         cfg = self.cfg
         data_path = cfg.data.train
         if data_path in TINY_DATA_NAMES:  # the embedded target's data, built once by rank 0, then read by all
-            target_name = cfg.target.path if cfg.target.path in ("tiny", "tiny-quick") else "tiny"
+            target_name = cfg.target.path if cfg.target.path in TINY_TARGET_NAMES else "tiny"
             if self.is_main:
                 resolve_train_data(data_path, target_name, cfg.data.max_length)
             self.accelerator.wait_for_everyone()

@@ -20,12 +20,10 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+from vat.data_prep.code_chats import CODE_INSTRUCTION
 from vat.errors import VatError
 
-HUMANEVAL_INSTRUCTION = (
-    "Complete the following Python function. Reply with the whole function in one Python code block.\n\n"
-    "```python\n{prompt}```"
-)
+HUMANEVAL_INSTRUCTION = CODE_INSTRUCTION  # the bench target's code chats are trained in this very format
 
 HUB_ALIASES = {  # known names with no local copy: (hub name, config, split)
     "gsm8k": ("openai/gsm8k", "main", "test"),

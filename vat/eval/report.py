@@ -159,6 +159,22 @@ def _draft_origin(draft: dict, steps: int) -> str:
     return "autoregressive baseline" if draft.get("mode") == "ar" else "in-memory draft"
 
 
+def example_block(example: dict, max_chars: int = 600) -> str:
+    """One decoded answer (the first prompt, the first configuration), so a reader sees what was being predicted."""
+    question = " ".join(example["question"].split())
+    question = question if len(question) <= 200 else question[:200] + " …"
+    answer = example["answer"] if len(example["answer"]) <= max_chars else example["answer"][:max_chars] + " …"
+    return "\n".join([
+        f"Example: the first prompt and the answer of `{example['draft']}` at budget {example['budget']}:",
+        "",
+        f"> {question}",
+        "",
+        "```text",
+        answer.replace("```", "` ` `"),
+        "```",
+    ])
+
+
 def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
     """The full ``report.md``."""
     s = result["settings"]
@@ -203,6 +219,8 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
             extra = f", {ref['seconds']:.1f} s extra" if ref["seconds"] else ""
             lines += [f"Quality reference: {ref['source']}{extra}.", ""]
         lines += [metrics_table(_configs(result, name))]
+        if name in result.get("examples", {}):
+            lines += ["", example_block(result["examples"][name])]
         if result.get("cost_model"):
             lines += ["", "Modeled cost:", "", cost_table(result, name)]
         lines += ["", "τ per category:", "", category_table(result, name)]

@@ -448,6 +448,8 @@ def run_eval(
     bench_names: list[str] = []
     quality_reference: dict[str, dict] = {}  # benchmark -> where the natural output came from, its extra seconds
     pooled_quality: dict[tuple[str, str], dict[str, float]] = {}  # (label, budget) -> quality counts
+    examples: dict[str, dict] = {}  # benchmark -> the first prompt and its first configuration's answer
+    sources: dict[str, str] = {}  # benchmark -> what load_benchmark read it from (a file's absolute path)
     try:
         for spec in benchmarks:
             loaded = load_benchmark(spec, limit=limit)
@@ -461,6 +463,7 @@ def run_eval(
                 warnings.warn(f"benchmark {name}: every prompt is too long for the target; skipped", stacklevel=2)
                 continue
             bench_names.append(name)
+            sources[name] = os.path.abspath(spec) if os.path.exists(spec) else spec
             if evict is not None and evict[1] is None:  # EVICT's profile, on the fly: this benchmark's first prompts
                 evict = (evict[0], _profile_on_the_fly(target_obj, tok, prompts, max_new_tokens, block, evict[0]))
             bench_runs: dict[int, list[PromptRun]] = {}
@@ -482,6 +485,9 @@ def run_eval(
 
                     add_costs(cost, engine, runs, metrics, per_prompt[config.draft.label][config.budget_label][name])
                 all_runs.setdefault((config.draft.label, config.budget_label), []).extend(runs)
+            first = bench_runs[0][0]  # the first configuration's answer to the first prompt: what was predicted
+            examples[name] = {"question": prompts[0].turns[0], "answer": decode(tok, first.turns[0].token_ids),
+                              "draft": configs[0].draft.label, "budget": configs[0].budget_label}
             cache = None
             if reference_cache is not None and temperature == 0:
                 cache = (reference_cache, *reference_key(target_obj, tok, name, prompts,
@@ -549,8 +555,10 @@ def run_eval(
             **{d.label: _draft_record(d, tree_spec) for d in entries},
         },
         "benchmarks": bench_names,
+        "benchmark_sources": sources,
         "skipped": skipped,
         "quality_reference": quality_reference,
+        "examples": examples,
         "results": results,
         "pooled": pooled,
         "per_prompt": per_prompt,

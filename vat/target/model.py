@@ -329,9 +329,9 @@ def _mask_sentinels(model: nn.Module, experts_impl: str) -> None:
 
 
 def resolve_target_path(path: str) -> str:
-    """``tiny``/``tiny-quick`` -> the embedded default's directory (built on first use); other paths unchanged."""
-    if path in ("tiny", "tiny-quick"):
-        from vat.paths import resolve_target_path as resolve
+    """``tiny`` / ``tiny-quick`` / ``tiny-bench`` -> the embedded target's directory (built on first use); other paths
+    unchanged."""
+    from vat.paths import TINY_TARGET_NAMES
+    from vat.paths import resolve_target_path as resolve
 
-        return resolve(path)
-    return path
+    return resolve(path) if path in TINY_TARGET_NAMES else path

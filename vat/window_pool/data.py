@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vat.errors import VatError
+from vat.paths import TINY_TARGET_NAMES
 
 PRETRAIN_NAME = "tiny-pretrain"
 HELDOUT_NAME = "tiny-heldout"
@@ -39,9 +40,9 @@ def _tiny_split(target_name: str, tokenizer_dir: str):
     from transformers import AutoTokenizer
 
     from vat.data_prep.tiny_target import read_conversations, spec_for
-    from vat.paths import sharegpt_path
+    from vat.paths import sharegpt_path, tiny_size
 
-    spec = spec_for(target_name == "tiny-quick")
+    spec = spec_for(tiny_size(target_name))
     train, heldout, _ = read_conversations(sharegpt_path(), spec)
     return spec, train, heldout, AutoTokenizer.from_pretrained(tokenizer_dir)
 
@@ -63,7 +64,7 @@ def training_rows(name: str, target_path: str, tokenizer_dir: str, max_length: i
     if name == PRETRAIN_NAME:
         from vat.data_prep.tiny_target import pack_conversations
 
-        spec, train, _, tokenizer = _tiny_split(target_path if target_path == "tiny-quick" else "tiny", tokenizer_dir)
+        spec, train, _, tokenizer = _tiny_split(target_path if target_path in TINY_TARGET_NAMES else "tiny", tokenizer_dir)
         rows = pack_conversations(tokenizer, train, spec)[:, :max_length]  # (N, seq_len); [:, :None] keeps all
         if limit is not None:
             rows = rows[:limit]
@@ -73,7 +74,7 @@ def training_rows(name: str, target_path: str, tokenizer_dir: str, max_length: i
     from vat.defaults import TINY_DATA_NAMES, resolve_train_data
 
     if name in TINY_DATA_NAMES:
-        name = resolve_train_data(name, target_path if target_path in ("tiny", "tiny-quick") else "tiny",
+        name = resolve_train_data(name, target_path if target_path in TINY_TARGET_NAMES else "tiny",
                                   max_length or 1024)
     ds, _ = load_prepared(name, max_length, limit)
     return TokenRows([list(x) for x in ds["input_ids"]], [list(x) for x in ds["loss_mask"]])
@@ -97,7 +98,7 @@ def heldout_sequences(name: str, target_path: str, tokenizer_dir: str, max_lengt
     if name == HELDOUT_NAME:
         from vat.data_prep.tiny_target import encode_heldout
 
-        _, _, heldout, tokenizer = _tiny_split(target_path if target_path == "tiny-quick" else "tiny", tokenizer_dir)
+        _, _, heldout, tokenizer = _tiny_split(target_path if target_path in TINY_TARGET_NAMES else "tiny", tokenizer_dir)
         if limit is not None:
             heldout = heldout[:limit]
         encoded = encode_heldout(tokenizer, heldout, max_length)
