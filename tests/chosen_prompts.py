@@ -27,6 +27,7 @@ def choose_prompts(
     n: int = 1,
     others: int = 1,
     pool: int = 48,
+    chunk: int = 8,
     budget: int | None = None,
     **eval_kwargs,
 ) -> str:
@@ -41,6 +42,7 @@ def choose_prompts(
         n: prompts with the property wanted (first in the file).
         others: prompts of the pool added after them regardless of the property.
         pool: candidate prompts read from ``benchmark`` (spread over its categories, as an eval reads them).
+        chunk: candidates evaluated per selecting run (the search stops once ``n`` prompts have the property).
         budget: the expert budget of the selecting run (None = natural routing).
         eval_kwargs: the rest of the selecting run's settings (``target``, ``steps``, ``max_new_tokens``, ...); give
             the run under test the same ones, so the property carries over.
@@ -49,17 +51,28 @@ def choose_prompts(
         ``output``.
     """
     label = draft[0] if isinstance(draft, tuple) else str(draft)
-    ev = run_eval(drafts=[draft], benchmarks=[benchmark], limit=pool, budgets=[budget], autoregressive=False,
-                  progress=False, plots=False, **eval_kwargs)
-    (bench,) = ev["benchmarks"]
-    entries = ev["per_prompt"][label]["none" if budget is None else str(budget)][bench]
-    kept = [e["question_id"] for e in entries if keep(e)][:n]
-    assert len(kept) == n, f"only {len(kept)} of {len(entries)} prompts of {benchmark} have the property; need {n}"
-    kept += [e["question_id"] for e in entries if e["question_id"] not in kept][:others]
-    by_id = {p.question_id: p for p in load_benchmark(benchmark, limit=pool)}
+    candidates = load_benchmark(benchmark, limit=pool)  # spread over categories, as an eval reads them
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, "w") as f:
-        for qid in kept:
-            p = by_id[qid]
-            f.write(json.dumps({"question_id": p.question_id, "category": p.category, "turns": p.turns}) + "\n")
+    kept, seen = [], []
+    for start in range(0, len(candidates), chunk):  # a few prompts at a time: stop as soon as enough have it
+        _write_questions(output, candidates[start : start + chunk])
+        ev = run_eval(drafts=[draft], benchmarks=[output], budgets=[budget], autoregressive=False, progress=False,
+                      plots=False, **eval_kwargs)
+        (bench,) = ev["benchmarks"]
+        entries = ev["per_prompt"][label]["none" if budget is None else str(budget)][bench]
+        seen += [e["question_id"] for e in entries]
+        kept += [e["question_id"] for e in entries if keep(e)]
+        if len(kept) >= n:
+            break
+    assert len(kept) >= n, f"only {len(kept)} of {len(seen)} prompts of {benchmark} have the property; need {n}"
+    kept = kept[:n] + [q for q in seen if q not in kept[:n]][:others]
+    by_id = {p.question_id: p for p in candidates}
+    _write_questions(output, [by_id[q] for q in kept])
     return output
+
+
+def _write_questions(path: str, prompts) -> None:
+    """FastChat JSON Lines: one ``{question_id, category, turns}`` per prompt."""
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"question_id": p.question_id, "category": p.category, "turns": p.turns}) + "\n")
