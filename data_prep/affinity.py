@@ -1,4 +1,4 @@
-"""`vat prep affinity`: the token -> expert affinity table of DESIGN §5, precomputed over a prepared dataset.
+"""`vat prep affinity`: the token -> expert affinity table of docs/vat_losses.md, precomputed over a prepared dataset.
 
 ``A[v, l, e] = P(expert e in the top-k at MoE layer l | the target reads token v)``, from the executed routing the
 frozen target captures (:mod:`vat.target`), smoothed toward the per-layer marginal so rare tokens read as the

@@ -149,7 +149,7 @@ def load_hub_rows(name: str, split: str = "train", **load_kwargs):
 
     try:
         return datasets.load_dataset(name, split=split, **load_kwargs)
-    except Exception as err:  # offline, unknown name, bad split: one clear line (DESIGN §10)
+    except Exception as err:  # offline, unknown name, bad split: one clear line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise VatError(f"could not load dataset {name!r} (split {split!r}): {first}") from None
 

@@ -3,7 +3,7 @@
 Large chat dumps (ShareGPT V3 is 125 MB, and the PyPI copy is cut off in the middle of its last record) must be read
 record by record: a JSON array is parsed with :meth:`json.JSONDecoder.raw_decode` over a growing buffer fed by
 chunked reads, JSON Lines line by line. A file cut off mid-record yields every complete record and reports the cut
-in :class:`ReadStats` (and one warning line); a malformed JSON Lines line is counted and skipped (DESIGN §10).
+in :class:`ReadStats` (and one warning line); a malformed JSON Lines line is counted and skipped.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`vat prep tiny-target`: build the embedded default MoE target (DESIGN §8) from ShareGPT, on CPU.
+"""`vat prep tiny-target`: build the embedded default MoE target (docs/tiny_target.md) from ShareGPT, on CPU.
 
 Pipeline (deterministic for a seed):
 
@@ -526,7 +526,10 @@ def _partial_dir(output_dir: str, size: str, seed: int, spec: TinyTargetSpec, fo
     work = f"{output_dir}.partial"
     settings = {"size": size, "seed": seed, "spec": asdict(spec)}
     marker = os.path.join(work, "build_settings.json")
-    same = os.path.isfile(marker) and json.load(open(marker)) == settings
+    same = False
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            same = json.load(f) == settings
     if force or not same:
         shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Token → expert affinity table for the expert-union penalty (DESIGN §5).
+"""Token → expert affinity table for the expert-union penalty (docs/vat_losses.md).
 
 ``A[v, l, e] = P(expert e ∈ top-k at layer l | input token v)`` over the draft vocab rows and the chosen MoE layers
 L'. Built online from the routing the trainer captures (EMA counts, smoothed toward the per-layer marginal for rare

@@ -139,7 +139,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                    "target-quality table per benchmark (share of distinct 32-token greedy answers, distinct-4-gram "
                    "ratio, turns ended, code answers, natural expert union per --window tokens) and one answer each; "
                    "--benchmark defaults to spec_bench and humaneval, --limit to 40, --new-tokens to 96")
-    g = p.add_argument_group("perplexity grid (Window Pool, DESIGN §13): held-out perplexity of targets side by side "
+    g = p.add_argument_group("perplexity grid (Window Pool, docs/window_pool.md): held-out perplexity of targets side by side "
                              "under W x d_w window-sharing constraints and hard budgets B")
     g.add_argument("--perplexity-grid", action="store_true", help="write DIR/perplexity_grid.json and .md instead "
                    "of the scattering profile")

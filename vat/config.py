@@ -149,7 +149,7 @@ class WindowPoolLoraConfig:
 @dataclass
 class WindowPoolConfig:
     """``kind: window_pool``: continued pretraining of the target's routers so that the tokens of one window share a
-    pool of experts (DESIGN §13, vat/window_pool). W and d_w are drawn per step, uniformly from [lo, hi]."""
+    pool of experts (docs/window_pool.md, vat/window_pool). W and d_w are drawn per step, uniformly from [lo, hi]."""
 
     windows: list[int] = field(default_factory=lambda: [4, 16])  # W range: window length in positions
     pools: list[int] = field(default_factory=lambda: [4, 8])  # d_w range: experts shared by a window (>= top_k)
@@ -391,7 +391,7 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(cfg)
 
 
-# ==== vat bench: seeds x methods -> trained drafts -> real eval -> intervals (DESIGN §11) ==========================
+# ==== vat bench: seeds x methods -> trained drafts -> real eval -> intervals (docs/bench.md) ==========================
 # Its own schema and loader; it reuses the key checks above (_all_keys, _check_keys, _closest), so an unknown bench
 # key stops at once with the closest valid one, as for a training recipe.
 

@@ -1,4 +1,4 @@
-"""Multi-process pieces of the trainer that make a run's numbers independent of the world size (DESIGN §9).
+"""Multi-process pieces of the trainer that make a run's numbers independent of the world size (README: multi-GPU).
 
 * :func:`gather_rows`: every rank's rows of a tensor, concatenated in rank order (variable length per rank) — the
   online affinity table folds the whole global batch's routing on every rank, so all ranks hold the same table;

@@ -1,4 +1,4 @@
-"""User-facing errors: raised for bad input, printed by the CLI as one clear line (DESIGN §10)."""
+"""User-facing errors: raised for bad input, printed by the CLI as one clear line."""
 
 
 class VatError(Exception):

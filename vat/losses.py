@@ -1,8 +1,8 @@
-"""VAT losses (DESIGN §4.4, §5): imitation losses, fixed and verification-adaptive weights, verification-head BCE,
+"""VAT losses (docs/vat_losses.md, §5): imitation losses, fixed and verification-adaptive weights, verification-head BCE,
 expert-union penalty, and the combined objective.
 
 Pure functions of tensors: no model, no I/O. Layout as in :mod:`vat.verify`: per anchor, draft positions
-``k = 0..K-1`` (0-indexed; DESIGN's ``k = 1..K``), tensors ``(..., K)`` / ``(..., K, V_d)`` with ``valid (..., K)``.
+``k = 0..K-1`` (0-indexed; the papers' ``k = 1..K``), tensors ``(..., K)`` / ``(..., K, V_d)`` with ``valid (..., K)``.
 
 Stop-gradient: verification outcomes (accept, k*, survival), the adaptive weights, the target distribution, the
 anchor routing and the affinity table. Gradients flow into the draft logits (imitation terms, union penalty) and
@@ -192,7 +192,7 @@ def binary_auc(scores: Tensor, labels: Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# expert-union penalty (DESIGN §5)
+# expert-union penalty (docs/vat_losses.md)
 # ----------------------------------------------------------------------------------------------------------------------
 
 

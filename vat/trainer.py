@@ -35,7 +35,7 @@ VH_PREFIX = "verification_head."
 def cli_main(args) -> int:
     """`vat train` entry: build the config from the recipe and overrides, then :func:`main`."""
     cfg = load_config(args.recipe, args.overrides)
-    if cfg.kind == "window_pool":  # continued pretraining of the target's routers (vat/window_pool, DESIGN §13)
+    if cfg.kind == "window_pool":  # continued pretraining of the target's routers (vat/window_pool, docs/window_pool.md)
         from vat.window_pool.train import main as window_pool_main
 
         window_pool_main(cfg)
@@ -339,7 +339,7 @@ class Trainer:
 
         cfg = self.cfg
         # the verification head is its own parameter group with its own clip: its gradient must not set the clip
-        # factor of the draft body (DESIGN §4.4)
+        # factor of the draft body (docs/vat_losses.md)
         named = [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
         self.body_params = [p for n, p in named if not n.startswith(VH_PREFIX)]
         self.vh_params = [p for n, p in named if n.startswith(VH_PREFIX)]
@@ -383,7 +383,7 @@ class Trainer:
 
         input_ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         # on data that is not the target's own, the simulated chain leaves real verification at the first data token
-        # that is not the target's argmax: later slots are censored, not rejected (DESIGN §4.3)
+        # that is not the target's argmax: later slots are censored, not rejected (docs/vat_losses.md)
         onpolicy, E = bool(self.cfg.loss.onpolicy_chain), self.target.num_experts
         if self.cfg.drafter.kind == "dflash":
             from vat.drafters.dflash import sample_block_anchors
@@ -405,7 +405,7 @@ class Trainer:
     def _target_forward(self, batch: dict[str, torch.Tensor], budget):
         """The step's one target forward. Under a budget only the response (loss-masked) positions are budgeted:
         as served, the prompt — and every later user turn — is prefilled with natural routing, and only the
-        verification forwards over the model's own answer run under the budget (DESIGN §6). The prompt positions'
+        verification forwards over the model's own answer run under the budget (docs/vat_losses.md). The prompt positions'
         hidden states, logits and routing are therefore the unbudgeted forward's exactly (causal attention)."""
         input_ids, attention = batch["input_ids"], batch["attention_mask"]
         token_mask = None
@@ -452,7 +452,7 @@ class Trainer:
             mask = verification.valid
             self.vh_pairs.append((vh_logits.detach()[mask].float(), verification.survival.detach()[mask].float()))
         rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
-        # the table learns natural routing (DESIGN §6): under a budget, each router's own top-k of this same forward
+        # the table learns natural routing (docs/vat_losses.md): under a budget, each router's own top-k of this same forward
         # (captured before the budget rerouted it), not the budgeted ids the union term's anchor routing uses
         folded = topk if tout.natural_topk_ids is None else tout.natural_topk_ids  # (L', B, T, k)
         dropped_as_negative = folded.masked_fill(folded >= self.target.num_experts, -1)
@@ -475,7 +475,7 @@ class Trainer:
 
     def _fold_affinity(self) -> None:
         """Fold the step's routing (every micro-batch of every rank, in rank order) into the online affinity table
-        once: each rank then holds the table one process builds from the same global batch (DESIGN §9)."""
+        once: each rank then holds the table one process builds from the same global batch (README: multi-GPU)."""
         from vat.distributed import gather_rows
 
         pending, self.pending_routing = self.pending_routing, []

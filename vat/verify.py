@@ -1,11 +1,11 @@
-"""Simulated verification (DESIGN §4.3): accept masks, first rejection, survival targets, τ_sim.
+"""Simulated verification (docs/vat_losses.md): accept masks, first rejection, survival targets, τ_sim.
 
 Pure functions of tensors: no model, no I/O. Everything here runs under ``torch.no_grad`` — verification outcomes are
 labels and weights, never a path for gradients.
 
 Conventions (shared with the drafters and the trainer):
 
-* Per anchor and draft position ``k = 0..K-1`` (0-indexed in code; DESIGN writes ``k = 1..K``) tensors are shaped
+* Per anchor and draft position ``k = 0..K-1`` (0-indexed in code; the papers write ``k = 1..K``) tensors are shaped
   ``(..., K)`` / ``(..., K, V)``: ``(B, T, K, V_d)`` for EAGLE-3 training-time-test steps at every anchor ``t``,
   ``(B, N, K, V_d)`` for DFlash block slots at ``N`` sampled anchors.
 * ``valid (..., K)`` bool: the position exists and is loss-masked (its predicted token is an assistant token).

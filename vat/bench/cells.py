@@ -193,7 +193,7 @@ def config_identity(cfg: Any) -> str | None:
 
     Left out: ``logging`` (trackers, progress bars), ``output_dir`` and ``resume`` (a bench directory copied
     elsewhere keeps its cells), ``train.stop_after`` (where a process stops, not what it
-    computes: a run stopped there resumes to the same numbers, DESIGN §10) and every key at vat's default for the
+    computes: a run stopped there resumes to the same numbers) and every key at vat's default for the
     config's method (:func:`method_defaults`: the method's preset applied). So a key
     that a newer vat adds with a default that keeps the old behaviour (``train.init_from``, ``train.lora``) leaves the
     drafts and cells of earlier runs valid; a key a run sets away from its default is always part of the identity.

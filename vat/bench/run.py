@@ -1,5 +1,5 @@
 """`vat bench CONFIG [key=value ...]`: seeds x methods trained on the same data, order and steps, every cell evaluated
-with the real engine, τ per benchmark with bootstrap intervals and paired ratios to the reference (DESIGN §11).
+with the real engine, τ per benchmark with bootstrap intervals and paired ratios to the reference (docs/bench.md).
 
 ``main(args)`` is setup -> run -> write; :func:`run_bench` takes a loaded :class:`vat.config.BenchConfig`. After
 every cell, bench.json, bench.md and the PNGs are rebuilt from the cells finished so far.

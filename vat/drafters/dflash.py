@@ -1,4 +1,4 @@
-"""DFlash block drafter: Qwen3-style decoder layers that draft a whole block in one pass (DESIGN §4.2).
+"""DFlash block drafter: Qwen3-style decoder layers that draft a whole block in one pass (docs/vat_losses.md).
 
 Architecture (z-lab ``DFlashDraftModel``; weight names are its release layout)::
 

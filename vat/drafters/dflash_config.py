@@ -1,5 +1,5 @@
 """DFlash draft config: every field that defines a block drafter and the target it was built for, the default target
-layers, the MASK token, and the check that a draft fits a target (DESIGN §4.2, §10).
+layers, the MASK token, and the check that a draft fits a target (docs/vat_losses.md, §10).
 
 Field names follow the public DFlash release configs (``num_hidden_layers`` = draft decoder layers,
 ``target_layer_ids``, ``block_size``, ``mask_token_id``, ``num_target_layers``), so the checkpoint layout is a
@@ -135,7 +135,7 @@ class DFlashConfig:
 def check_dflash_matches_target(
     cfg: DFlashConfig, target_hidden_size: int, target_vocab_size: int, num_target_layers: int
 ) -> list[int]:
-    """Stop at once, with one clear line, when a DFlash draft was built for another target (DESIGN §10).
+    """Stop at once, with one clear line, when a DFlash draft was built for another target.
 
     Returns:
         The target layers to capture (vat convention), resolved to the DFlash default when the config has none.

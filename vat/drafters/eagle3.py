@@ -1,6 +1,6 @@
 """EAGLE-3 draft head: config, model, training-time-test (TTT) forward, KV-cached inference, draft-vocab helpers.
 
-Architecture (DESIGN §4.1; identical to EAGLE / SpecForge / SGLang ``LlamaForCausalLMEagle3``)::
+Architecture (docs/vat_losses.md; identical to EAGLE / SpecForge / SGLang ``LlamaForCausalLMEagle3``)::
 
     aux = cat(h_low, h_mid, h_high)                       # (B, T, 3*H_t)  target layer outputs (vat convention)
     [norm_before_fc: RMSNorm(3*H_t) | fc_norm: RMSNorm(H_t) per chunk]

@@ -1,5 +1,5 @@
 """EAGLE-3 draft config: every field that defines a draft head and the target it was built for, and the check that a
-draft fits a target (DESIGN §4.1, §10). Split from :mod:`vat.drafters.eagle3`, which re-exports both names."""
+draft fits a target (docs/vat_losses.md, §10). Split from :mod:`vat.drafters.eagle3`, which re-exports both names."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ class Eagle3Config:
 def check_draft_matches_target(
     cfg: Eagle3Config, target_hidden_size: int, target_vocab_size: int, num_target_layers: int
 ) -> list[int]:
-    """Stop at once, with one clear line, when a draft was built for another target (DESIGN §10).
+    """Stop at once, with one clear line, when a draft was built for another target.
 
     Args:
         cfg: the draft's config.

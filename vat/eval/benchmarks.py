@@ -50,7 +50,7 @@ class Prompt:
     reference: object = field(default=None, repr=False)
 
 
-# Shipped inside the package (DESIGN §7): a clone or a wheel has nothing beside it, so no lookup outside vat.
+# Shipped inside the package (docs/eval.md): a clone or a wheel has nothing beside it, so no lookup outside vat.
 SPEC_BENCH_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "spec_bench", "question.jsonl")
 
 
@@ -147,7 +147,7 @@ def _rows_from_hub(name: str, config: str | None = None, split: str | None = Non
         import datasets
 
         loaded = datasets.load_dataset(name, config, split=split) if split else datasets.load_dataset(name, config)
-    except Exception as err:  # offline, unknown name: one clear line (DESIGN §10)
+    except Exception as err:  # offline, unknown name: one clear line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise VatError(
             f"benchmark {name!r} is neither a file nor a known name, and the hub load failed: {first}"

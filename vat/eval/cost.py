@@ -1,4 +1,4 @@
-"""A roofline cost model: the modeled time of speculative decoding on a named accelerator (DESIGN §7 "cost").
+"""A roofline cost model: the modeled time of speculative decoding on a named accelerator (docs/eval.md "cost").
 
 CPU wall time says nothing about how a draft would do on the GPUs these targets are served on, so every round the
 engine ran is also priced on an accelerator from its data sheet. One forward of ``T`` tokens over a context of ``n``

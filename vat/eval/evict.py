@@ -2,7 +2,7 @@
 
 Each drafted node i gets an acceptance estimate P_i: the drafter's path probability (the product of the draft's
 probabilities along the path: ``exp(score)`` of a tree node), or, for a draft with a verification head, the head's
-survival probability (it is trained against "every draft up to here accepted", DESIGN §4.4) read at the hidden state
+survival probability (it is trained against "every draft up to here accepted", docs/vat_losses.md) read at the hidden state
 that drafted the node, scaled for a tree's non-top-1 children by q(child) / q(top-1 sibling). A node is never accepted
 without its parent, so P is made monotone along every path: P_i ← min(P_i, P_parent). Ranking the nodes by P (ties:
 shallower first) then makes every top-n set prefix-closed, and EVICT keeps

@@ -1,4 +1,4 @@
-"""Output quality under an expert budget (DESIGN §7): a budgeted target is another model.
+"""Output quality under an expert budget (docs/eval.md): a budgeted target is another model.
 
 For every budgeted run of ``vat eval`` and every prompt turn, against the natural (unbudgeted) greedy decode of the
 same prompt:

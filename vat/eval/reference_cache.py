@@ -1,4 +1,4 @@
-"""The natural greedy decode of a benchmark's prompts, kept on disk between evaluations (DESIGN §7).
+"""The natural greedy decode of a benchmark's prompts, kept on disk between evaluations (docs/eval.md).
 
 The quality figures of a budgeted run compare it with the target's natural greedy output of the same prompts. That
 output depends on the target, its dtype / device / experts implementation, the tokenizer, the prompts and the token

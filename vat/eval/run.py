@@ -4,7 +4,7 @@ Entry points: :func:`main` (the CLI: setup -> run -> write) and :func:`run_eval`
 returns the eval.json dict). The autoregressive baseline (draft ``none``) always runs once per benchmark with natural
 routing, on the same prompts in the same process: it is the denominator of ``speedup_vs_ar``. The training-free n-gram
 draft (``ngram``, :mod:`vat.eval.ngram`) is a draft like a trained one: a chain of ``steps`` tokens, every budget.
-Budgets apply to the verification forwards of the drafts only (DESIGN §7).
+Budgets apply to the verification forwards of the drafts only (docs/eval.md).
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ Pure functions of token ids and text, plus :func:`greedy_answers` and :func:`tar
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 from collections.abc import Sequence
 
@@ -164,9 +166,6 @@ def write_quality(target_dir: str, output_dir: str, *, benchmarks: Sequence[str]
                   limit: int = 40, max_new_tokens: int = 96, window: int = 8, **load_kwargs) -> str:
     """Load the target at ``target_dir``, measure its quality table on ``benchmarks`` (``limit`` prompts each, spread
     over categories) and write ``quality.json`` and ``quality.md`` into ``output_dir``; returns the Markdown."""
-    import json
-    import os
-
     from transformers import AutoTokenizer
 
     from vat.eval.benchmarks import load_benchmark

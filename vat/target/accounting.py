@@ -1,6 +1,6 @@
 """Expert-traffic accounting: the union of experts a window loads per MoE layer, and what it weighs in bytes.
 
-Bytes per round = Σ_l U_l · b_l, with b_l one expert's weight bytes in layer l (DESIGN §3, algorithms.md §5).
+Bytes per round = Σ_l U_l · b_l, with b_l one expert's weight bytes in layer l (docs/verification_policies.md).
 """
 
 from __future__ import annotations

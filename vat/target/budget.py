@@ -1,4 +1,4 @@
-"""Expert budgeting (MoE-Spec, DESIGN §3): per window, keep only B experts per MoE layer.
+"""Expert budgeting (MoE-Spec, docs/verification_policies.md): per window, keep only B experts per MoE layer.
 
 Pure tensor functions, applied by the router hook in :mod:`vat.target.routing`:
 

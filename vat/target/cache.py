@@ -1,6 +1,6 @@
 """The target's KV cache during speculative decoding: create, crop, compact to an accepted path, tree masks.
 
-Every touch point with transformers' cache API and its 4-D attention-mask convention lives here (DESIGN §14.9), so a
+Every touch point with transformers' cache API and its 4-D attention-mask convention lives here, so a
 transformers upgrade changes one file. Tested on transformers 5.17 and 5.24 (README, docs/interop.md):
 
 * The cache keyword: models take ``past_key_values`` up to 5.2x and ``cache`` from the rename on (5.24 takes both,

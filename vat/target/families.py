@@ -1,6 +1,6 @@
 """Family adapters: where each MoE family keeps its router and experts, and its own routing rule.
 
-Every touch point with a model family's internals lives here (DESIGN §11.9). An adapter answers three questions:
+Every touch point with a model family's internals lives here (docs/bench.md). An adapter answers three questions:
 
 * which modules are the MoE blocks, routers and experts of a model;
 * ``scores``: the per-expert scores the budget selection sums over a window (softmax probabilities, or the

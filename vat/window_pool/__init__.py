@@ -1,4 +1,4 @@
-"""Window Pool (DESIGN §13): continued pretraining of an MoE target's routers so that the tokens of one window share
+"""Window Pool (docs/window_pool.md): continued pretraining of an MoE target's routers so that the tokens of one window share
 a pool of experts, and its evaluation.
 
 * :mod:`vat.window_pool.pools`: the per-step constraint (W, d_w, window offset) and the pool-mass term;

@@ -1,4 +1,4 @@
-"""`vat train RECIPE.yaml` with ``kind: window_pool``: continued pretraining of an MoE target's routers (DESIGN §13).
+"""`vat train RECIPE.yaml` with ``kind: window_pool``: continued pretraining of an MoE target's routers (docs/window_pool.md).
 
 Every step draws a constraint (:func:`vat.window_pool.pools.draw_constraint`): with probability
 ``window_pool.unconstrained_frac`` natural routing, otherwise windows of W positions (random offset) whose tokens
