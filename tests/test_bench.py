@@ -13,7 +13,18 @@ import time
 import numpy as np
 import pytest
 
-from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau, pooled_tau, replicate_taus
+from vat.bench.stats import (
+    Estimate,
+    bootstrap_tau,
+    is_win,
+    paired_ratio,
+    per_seed_ratios,
+    per_seed_tau,
+    pooled_tau,
+    replicate_taus,
+    student_t_quantile,
+    t_interval,
+)
 from vat.config import load_bench_config
 from vat.errors import VatError
 
@@ -108,6 +119,51 @@ def test_interval_coverage_on_a_known_ratio():
         widths.append(est.high - est.low)
     assert 0.85 <= hits / n <= 1.0
     assert 0.01 < np.mean(widths) < 0.2
+
+
+def test_t_interval_on_a_hand_computed_case():
+    # per-seed ratios 1.39, 1.05, 1.07: mean 1.17, sd 0.19079, t_{0.975, 2} = 4.302653 (tables)
+    est = t_interval([1.39, 1.05, 1.07])
+    half = 4.302653 * 0.190788 / 3 ** 0.5
+    assert est.value == pytest.approx(1.17) and est.low == pytest.approx(1.17 - half, abs=1e-5)
+    assert est.high == pytest.approx(1.17 + half, abs=1e-5) and est.low == pytest.approx(0.696, abs=1e-3)
+    for p, df, table in [(0.975, 1, 12.706205), (0.975, 4, 2.776445), (0.95, 10, 1.812461), (0.995, 30, 2.749996),
+                         (0.025, 3, -3.182446)]:
+        assert student_t_quantile(p, df) == pytest.approx(table, abs=1e-5)
+    assert t_interval([1.2]) is None and t_interval([]) is None  # one seed: no seed-level interval
+
+
+def test_per_seed_ratios_and_the_win_rule():
+    c = np.array([[6.0, 6.0], [9.0, 3.0]])  # (S, P)
+    r = np.array([[3.0, 3.0], [3.0, 3.0]])
+    ref_c = np.array([[4.0, 4.0], [4.0, 4.0]])
+    assert per_seed_ratios(c, r, ref_c, r) == pytest.approx([1.5, 1.5])
+    assert per_seed_ratios(c, r, ref_c[:1], r[:1]) == pytest.approx([1.5, 1.5])  # a seedless baseline: every row
+    tight, wide = Estimate(1.2, 1.1, 1.3), Estimate(1.2, 0.9, 1.5)
+    assert is_win(tight, tight) and not is_win(tight, wide) and not is_win(wide, tight)
+    assert not is_win(tight, None)  # one seed is never a win
+
+
+def test_delivered_tau_counts_no_token_past_the_cap(tmp_path):
+    """A hand-built cell, K = 3: prompt a's 3 rounds accept 3 each (12 committed) but only 9 tokens fit under its cap;
+    prompt b's 2 rounds deliver all 8. τ = (9 + 8) / 5 <= K + 1, and Σ (accepted + 1) / rounds = 20 / 5 beside it."""
+    from types import SimpleNamespace
+
+    from vat.bench.cells import Cell
+    from vat.bench.summary import markdown, method_statistics, per_prompt_table
+
+    cell = Cell("vat", 0, str(tmp_path / "vat"))
+    os.makedirs(os.path.join(cell.directory, "eval"))
+    per_prompt = {"none": {"sb": [{"question_id": "a", "committed": 12, "kept": 9, "rounds": 3},
+                                  {"question_id": "b", "committed": 8, "kept": 8, "rounds": 2}]}}
+    with open(os.path.join(cell.directory, "eval", "eval.json"), "w") as f:
+        json.dump({"settings": {"temperature": 0.0}, "per_prompt": {"vat": per_prompt}}, f)
+    boot = SimpleNamespace(samples=100, seed=0, confidence=0.95)
+    stats = method_statistics(per_prompt_table([cell]), ["vat"], "vat", boot)["vat"]["none"]["sb"]
+    assert stats["tau"]["value"] == pytest.approx(17 / 5) and stats["tau"]["value"] <= 3 + 1
+    assert stats["accepted_per_round"] == pytest.approx(20 / 5) and stats["tau_counts"] == "delivered"
+    md = markdown(_two_budget_summary({"vat": {"none": {"sb": stats}}}, ["vat"], [0]))
+    assert "3.400 [" in md and "(4.000 accepted+1)" in md
 
 
 # ---- config -------------------------------------------------------------------------------------------------------

@@ -164,7 +164,8 @@ def test_front_ratios_flags_and_goal_score_by_hand():
     assert "`vat` at budget 4 meets the goal (score 0.99)." in lines
     assert vat4["goal_score_stepwise"] == pytest.approx(max(0.34375 / 0.70, 0.98 / 1.0, 0.95 / 0.99))
     assert vat["goal_score_stepwise"] == vat["goal_score"]  # natural routing: both agreements are 100 %
-    assert "With the stepwise agreement in its place: `vat` at budget 4 meets the goal (score 0.98)." in lines
+    assert ("Secondary (a metric added after the goal was set; the verdict is the line above): with the stepwise "
+            "agreement in its place, `vat` at budget 4 meets the goal (score 0.98).") in lines
     assert "| vat | 4 |" in next(line for line in table if "96.0 % | 99.0 % | 0.0050 |" in line)
 
     # a seed the reference has not finished stays out of the point as out of its ratios; a sampled eval's natural

@@ -29,10 +29,27 @@ def _one_thread():
 # ---- the lookup itself ---------------------------------------------------------------------------------------------
 
 
+def test_propose_examples_vllm_rule():
+    spec = NgramSpec(n_max=3, n_min=2)  # vLLM's rule is the default
+    # the example of vLLM's NgramProposer.propose: [4, 2, 3] has no match, [2, 3] matches at 1..2, three tokens follow
+    assert PromptLookup(spec, [1, 2, 3, 4, 2, 3]).propose(4) == [4, 2, 3]
+    # the suffix [2, 3] occurs at 0..1 and 4..5: the earliest occurrence is copied
+    assert PromptLookup(NgramSpec(3, 1), [2, 3, 9, 9, 2, 3, 7, 8, 2, 3]).propose(4) == [9, 9, 2, 3]
+    # the longest n wins over an earlier shorter match: [1, 2, 3] at 4..6 beats [2, 3] at 0..1
+    assert PromptLookup(NgramSpec(3, 1), [2, 3, 0, 0, 1, 2, 3, 5, 1, 2, 3]).propose(2) == [5, 1]
+    # a periodic tail: [2, 1, 2] first occurs at 2..4, so the rest of the loop is proposed, not one period
+    assert PromptLookup(NgramSpec(3, 1), [7, 1, 2, 1, 2, 1, 2, 1, 2]).propose(6) == [1, 2, 1, 2]
+    assert NgramSpec().label == "ngram-vllm-1-3" and NgramSpec(5, 5, "recent").label == "ngram-recent-5-5"
+    with pytest.raises(VatError, match="rule"):
+        NgramSpec(rule="latest")
+
+
 def test_propose_examples():
-    spec = NgramSpec(n_max=3, n_min=1)
+    spec = NgramSpec(n_max=3, n_min=1, rule="recent")
     # the suffix [2, 3] last occurred at 4..5 (not 0..1): the most recent earlier occurrence wins
     assert PromptLookup(spec, [2, 3, 9, 9, 2, 3, 7, 8, 2, 3]).propose(4) == [7, 8, 2, 3]
+    # inside a short loop the most recent occurrence gives one period
+    assert PromptLookup(spec, [7, 1, 2, 1, 2, 1, 2, 1, 2]).propose(6) == [1, 2]
     assert PromptLookup(spec, [1, 2, 3, 4, 1, 2, 3]).propose(2) == [4, 1]  # n = 3 matches; K caps the proposal
     assert PromptLookup(spec, [1, 2, 3, 4, 1, 2, 3]).propose(9) == [4, 1, 2, 3]  # fewer near the end
     assert PromptLookup(spec, [5, 6, 7]).propose(3) == []  # nothing repeats: an AR round
@@ -43,17 +60,18 @@ def test_propose_examples():
         NgramSpec(n_max=2, n_min=3)
 
 
+@pytest.mark.parametrize("rule", ["vllm", "recent"])
 @pytest.mark.parametrize("n_max,n_min", [(1, 1), (2, 1), (3, 1), (3, 2), (4, 4), (5, 2)])
-def test_incremental_index_equals_the_reference_scan(n_max, n_min):
+def test_incremental_index_equals_the_reference_scan(n_max, n_min, rule):
     rng = random.Random(n_max * 10 + n_min)
-    spec = NgramSpec(n_max=n_max, n_min=n_min)
+    spec = NgramSpec(n_max=n_max, n_min=n_min, rule=rule)
     for _ in range(30):
         vocab = rng.choice([2, 3, 5, 12])  # small vocabularies repeat often, large ones rarely
         seq = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
         lookup = PromptLookup(spec, seq)
         for _ in range(60):
             k = rng.randint(0, 8)
-            assert lookup.propose(k) == propose_reference(seq, k, n_max, n_min), (seq, k)
+            assert lookup.propose(k) == propose_reference(seq, k, n_max, n_min, rule), (seq, k)
             new = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]  # committed in chunks, as rounds do
             seq += new
             lookup.extend(new)
@@ -153,6 +171,21 @@ def test_repetitive_prompt_speculates(setup):
     assert gen.token_ids == greedy_reference(model, prompt, 12)
     tau = sum(r.accepted + 1 for r in gen.rounds) / len(gen.rounds)
     assert tau > 1.5 and gen.target_forwards < 12
+
+
+def test_tau_counts_delivered_tokens_only(setup):
+    """The cap cuts the last round: τ = delivered tokens / rounds (max_new_tokens - 1 of them, the prefill's token
+    excluded) <= K + 1, while Σ (accepted + 1) / rounds counts the cut acceptances too."""
+    from vat.eval.metrics import PromptRun, summarize
+
+    model, target, _ = setup
+    for new_tokens in (9, 10, 11, 12):
+        engine = SpeculativeEngine(target, NgramSpec(), steps=5, max_new_tokens=new_tokens)
+        gen = engine.generate(repetitive_prompt(model))
+        metrics = summarize([PromptRun("q", "c", [gen], [[]])], [1] * len(target.moe_layer_ids), target.num_experts)
+        assert metrics["tau"] == pytest.approx((new_tokens - 1) / len(gen.rounds)) and metrics["tau"] <= 5 + 1
+        cut = sum(r.accepted + 1 for r in gen.rounds) - (new_tokens - 1)
+        assert metrics["accepted_per_round"] == pytest.approx(metrics["tau"] + cut / len(gen.rounds))
 
 
 def test_budget_caps_ngram_verification(setup):

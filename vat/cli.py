@@ -174,12 +174,14 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         help="real speculative decoding: acceptance length per benchmark, with and without expert budgets",
         description="Runs chain / tree / block speculative decoding on the target with a KV cache and writes "
         "DIR/eval.json, DIR/generations.jsonl, DIR/report.md and PNG plots. `--draft ngram` is training-free prompt "
-        "lookup (vLLM's ngram speculator) in the same engine; the autoregressive baseline always runs.",
+        "lookup (vLLM's ngram rule), `--draft suffix` suffix decoding (vLLM's method: suffix), in the same engine; "
+        "the autoregressive baseline always runs.",
     )
     p.add_argument("--target", default=None, help="target path, or `tiny` (default: the one the draft was trained for; "
                    "required when no trained draft is given)")
     p.add_argument("--draft", action="append", default=None, help="draft dir (vat final/, SGLang or speculators "
-                   "export, DFlash draft), `ngram` (prompt lookup) or `none`; repeatable")
+                   "export, DFlash draft), a free draft (`ngram`, `ngram-{vllm|recent}-MIN-MAX`, `suffix`, `suffix-dDEPTH`, "
+                   "`suffix-local`) or `none`; repeatable")
     p.add_argument("--benchmark", action="append", default=None, help=BENCHMARK_HELP + "; repeatable")
     p.add_argument("--steps", type=int, default=7, help="chain length K (a DFlash draft drafts block_size - 1 per round)")
     p.add_argument("--tree", default=None, help="dynamic tree as top_k,depth,total_tokens (e.g. 8,6,48)")
@@ -213,6 +215,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    "(bfloat16 | float16 | float32 | fp8; default bfloat16, whatever dtype the eval runs in)")
     p.add_argument("--ngram-n", type=int, default=3, help="ngram draft: longest suffix matched, as vLLM's prompt_lookup_max (default 3)")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram draft: shortest suffix matched, as vLLM's prompt_lookup_min (default 1)")
+    p.add_argument("--ngram-rule", default="vllm", choices=["vllm", "recent"], help="ngram draft: copy after the "
+                   "earliest occurrence of the matched suffix (vllm, as vLLM's proposer) or the latest (recent) "
+                   "(default vllm)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
     p.add_argument("--reference-cache", default=None, help="directory that keeps the natural greedy decode of each "

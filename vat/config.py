@@ -19,6 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from vat.errors import VatError
+from vat.eval.free_drafts import DEFAULT_GRID, GRID_NAME, expand_baselines, parse_free_draft
 from vat.paths import resolve_recipe
 
 
@@ -395,7 +396,14 @@ def to_yaml(cfg: Any) -> str:
 # Its own schema and loader; it reuses the key checks above (_all_keys, _check_keys, _closest), so an unknown bench
 # key stops at once with the closest valid one, as for a training recipe.
 
-BENCH_BASELINES = ("ngram", "none")  # training-free drafts `vat eval` knows: prompt lookup, autoregressive
+BENCH_BASELINES = ("ngram", "none")  # the default baselines: prompt lookup (vLLM's rule) and autoregressive
+
+
+def _names_free_draft(name: str) -> bool:
+    try:
+        return parse_free_draft(name) is not None
+    except VatError:
+        return False
 
 
 @dataclass
@@ -573,12 +581,14 @@ def _check_bench(cfg: Any) -> None:
         if other not in cfg.methods:
             raise VatError(f"bench config key `compare`: `{other}` is not a method"
                            f"{_closest(str(other), list(cfg.methods))}; one of {', '.join(cfg.methods)}")
+    cfg.baselines = expand_baselines(cfg.baselines)
     for base in cfg.baselines:
-        if base not in BENCH_BASELINES:
-            raise VatError(f"bad baseline `{base}`{_closest(str(base), list(BENCH_BASELINES))}; "
-                           f"one of {', '.join(BENCH_BASELINES)}")
+        if base != "none" and not _names_free_draft(base):
+            known = ["none", GRID_NAME, "ngram", "suffix", *DEFAULT_GRID]
+            raise VatError(f"bad baseline `{base}`{_closest(str(base), known)}; `none`, `{GRID_NAME}` (the grid "
+                           f"{', '.join(DEFAULT_GRID)}) or a free draft name (ngram-RULE-MIN-MAX, suffix[-dDEPTH])")
     for label in cfg.methods:
-        if label in BENCH_BASELINES:
+        if label in ("none", GRID_NAME) or _names_free_draft(label):
             raise VatError(f"method label `{label}` is the name of a training-free baseline; rename the method")
     if not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds):
         raise VatError(f"bench config key `seeds` needs at least one seed and no repeats, got {list(cfg.seeds)}")

@@ -128,7 +128,9 @@ def tau_ratio(results: dict, method: str, reference: str, budget: str, bench: st
         rows[1] = per[reference]["none"].get(bench)  # a reference measured without budgets
     if not all(rows) or len(rows[0]) != len(rows[1]):
         return None
-    counts = [(np.array([[p["committed"] for p in r]]), np.array([[p["rounds"] for p in r]])) for r in rows]
+    # τ on delivered tokens (an eval.json older than `kept` counts falls back to accepted + 1)
+    counts = [(np.array([[p.get("kept", p["committed"]) for p in r]]), np.array([[p["rounds"] for p in r]]))
+              for r in rows]
     return paired_ratio(*counts[0], *counts[1], samples=samples).to_dict()
 
 

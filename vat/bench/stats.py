@@ -9,10 +9,15 @@ same prompts). A replicate is a pair of count vectors, and its τ is ``w_s · C 
 A ratio between two methods is **paired**: one replicate draws seed and prompt indices once and applies them to
 both, since seed i of every method trained on the same data order and prompt j is the same question. A training-free
 baseline has no seeds: it pairs over prompts only while the other side's seeds are still resampled.
+
+With few seeds the crossed bootstrap understates how much training seeds disagree (a seed is resampled, not
+imagined), so every ratio also gets its per-seed values and a seed-level Student-t interval over them
+(:func:`t_interval`); a ratio is a win only when both lower bounds exceed 1 (:func:`is_win`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -162,3 +167,100 @@ def paired_ratio(committed: np.ndarray, rounds: np.ndarray, ref_committed: np.nd
         ratios = tau_m / tau_r
     low, high = _interval(ratios, confidence)
     return Estimate(pooled_tau(c, r) / pooled_tau(rc, rr), low, high)
+
+
+# ---- the seed-level view ---------------------------------------------------------------------------------------------
+
+
+def per_seed_ratios(committed: np.ndarray, rounds: np.ndarray, ref_committed: np.ndarray,
+                    ref_rounds: np.ndarray) -> list[float]:
+    """τ_method / τ_reference seed by seed (row i against row i; a one-row side is read against every row).
+
+    Args:
+        committed, rounds: (S, P) or (1, P) of the method.
+        ref_committed, ref_rounds: (S, P) or (1, P) of the reference.
+
+    Returns:
+        max(S_method, S_reference) ratios, in row order.
+    """
+    c, r = _check(committed, rounds, "per_seed_ratios (method)")
+    rc, rr = _check(ref_committed, ref_rounds, "per_seed_ratios (reference)")
+    n = max(c.shape[0], rc.shape[0])
+    if c.shape[0] not in (1, n) or rc.shape[0] not in (1, n):
+        raise ValueError(f"per_seed_ratios: {c.shape[0]} vs {rc.shape[0]} seeds; pair them by seed first")
+    pick = lambda a, i: a[0] if a.shape[0] == 1 else a[i]  # noqa: E731
+    return [pooled_tau(pick(c, i), pick(r, i)) / pooled_tau(pick(rc, i), pick(rr, i)) for i in range(n)]
+
+
+def student_t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom (regularised incomplete beta, no SciPy)."""
+    x = df / (df + t * t)
+    tail = 0.5 * _incomplete_beta(df / 2.0, 0.5, x)  # P(T > |t|)
+    return 1.0 - tail if t >= 0 else tail
+
+
+def student_t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t (bisection on :func:`student_t_cdf`; |error| < 1e-10)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"student_t_quantile: p must lie in (0, 1), got {p}")
+    lo, hi = -1e6, 1e6
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if student_t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-11:
+            break
+    return 0.5 * (lo + hi)
+
+
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularised incomplete beta function (continued fraction, Lentz's method)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side only: use the symmetry
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+    tiny = 1e-300
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = tiny if abs(d) < tiny else d
+        d = 1.0 / d
+        c = 1.0 + num / c
+        c = tiny if abs(c) < tiny else c
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            break
+    return math.exp(log_front) * (f - 1.0) / a
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> Estimate | None:
+    """Mean of ``values`` with a Student-t interval, mean ± t_{S-1} · sd / √S (None for fewer than 2 values).
+
+    Over per-seed ratios this is the seed-level interval: it sees only how the S training seeds disagree, where the
+    crossed bootstrap also resamples prompts and, with few seeds, understates the seed spread.
+    """
+    v = np.asarray([x for x in values if np.isfinite(x)], dtype=np.float64)
+    if v.size < 2:
+        return None
+    mean, sd = float(v.mean()), float(v.std(ddof=1))
+    half = student_t_quantile(0.5 + confidence / 2.0, v.size - 1) * sd / math.sqrt(v.size)
+    return Estimate(mean, mean - half, mean + half)
+
+
+def is_win(bootstrap: dict | Estimate, t: dict | Estimate | None) -> bool:
+    """A ratio is a win only when both the bootstrap and the seed-level t interval lie above 1 (no t interval, as
+    with one seed, is no win)."""
+    low = lambda e: e.low if isinstance(e, Estimate) else e["low"]  # noqa: E731
+    return t is not None and low(bootstrap) > 1.0 and low(t) > 1.0

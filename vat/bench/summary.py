@@ -1,8 +1,13 @@
 """bench.json and bench.md from the cells finished so far (rebuilt after every cell, so a partial bench reads).
 
 Per method (and baseline) x budget x benchmark: τ pooled over seeds and prompts with a bootstrap interval, τ of each
-seed, and the ratio to the reference method with a paired bootstrap interval (:mod:`vat.bench.stats`). Per method:
-training wall minutes and tokens per draft, and the curve of τ against training tokens.
+seed, and the ratio to the reference method with a paired bootstrap interval, its per-seed values and a seed-level t
+interval (:mod:`vat.bench.stats`; a win needs both lower bounds above 1). Per method: training wall minutes and
+tokens per draft, and the curve of τ against training tokens.
+
+τ counts delivered tokens: Σ tokens kept (acceptances past ``max_new_tokens`` or an EOS do not count) / Σ rounds.
+``accepted_per_round`` (Σ (accepted + 1) / Σ rounds, the τ of bench records before delivered counting) is given
+beside it.
 """
 
 from __future__ import annotations
@@ -14,11 +19,19 @@ from typing import Any
 import numpy as np
 
 from vat.bench.cells import Cell, eval_path, finished
-from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau, pooled_tau
+from vat.bench.stats import (
+    bootstrap_tau,
+    is_win,
+    paired_ratio,
+    per_seed_ratios,
+    per_seed_tau,
+    pooled_tau,
+    t_interval,
+)
 from vat.errors import VatError
 from vat.eval.quality import add_counts, empty_counts, summarize_quality
 
-BENCH_FORMAT_VERSION = 1
+BENCH_FORMAT_VERSION = 2  # 2: τ on delivered tokens; ratios with per-seed values, a t interval and `win`
 NO_BUDGET = "none"
 MIB = 1024.0 * 1024.0
 EXTRA_COUNTS = ("expert_bytes", "kept", "modeled_seconds", "modeled_ar_seconds")  # per-prompt counts beside τ's
@@ -30,7 +43,9 @@ def _budget_label(budget: int | None) -> str:
 
 def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
     """Counts of the given (finished) cells, stacked by seed: ``(label, budget, benchmark) -> {seeds, ids,
-    committed, rounds}`` with ``committed`` and ``rounds`` of shape (S, P) (S = 1 and seed None for a baseline).
+    committed, kept, rounds, ...}`` with ``committed`` (accepted + 1), ``kept`` (delivered tokens) and ``rounds`` of
+    shape (S, P) (S = 1 and seed None for a baseline). An eval.json without delivered counts gets ``kept`` =
+    ``committed`` and ``tau_counts`` = ``accepted+1``.
 
     Raises:
         VatError: an eval.json without ``per_prompt`` counts, or cells whose prompts differ (they must pair).
@@ -68,6 +83,9 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
                         quality["cells"] += 1
                         entry["quality"] = quality
     for entry in rows.values():
+        entry["tau_counts"] = "delivered"
+        if not all(v is not None for row in entry["kept"] for v in row):  # an eval.json older than delivered counts
+            entry["kept"], entry["tau_counts"] = [list(row) for row in entry["committed"]], "accepted+1"
         if entry["quality"] is not None and entry["quality"]["cells"] != len(entry["seeds"]):
             entry["quality"] = None  # a seed's older eval.json has none: no figure rather than one over fewer seeds
         entry["committed"] = np.asarray(entry["committed"], dtype=np.float64)  # (S, P)
@@ -79,13 +97,16 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
     return rows
 
 
-def _rows(entry: dict, seeds: list, keys: tuple[str, str] = ("committed", "rounds")) -> tuple[np.ndarray, np.ndarray]:
+TAU_KEYS = ("kept", "rounds")  # τ = delivered tokens / rounds
+
+
+def _rows(entry: dict, seeds: list, keys: tuple[str, str] = TAU_KEYS) -> tuple[np.ndarray, np.ndarray]:
     """The entry's two per-(seed, prompt) arrays ``keys`` for ``seeds``, in that order."""
     index = [entry["seeds"].index(s) for s in seeds]
     return entry[keys[0]][index], entry[keys[1]][index]
 
 
-def _side(entry: dict, seeds: list, keys: tuple[str, str] = ("committed", "rounds")) -> tuple[np.ndarray, np.ndarray]:
+def _side(entry: dict, seeds: list, keys: tuple[str, str] = TAU_KEYS) -> tuple[np.ndarray, np.ndarray]:
     """A method's rows for ``seeds``, or a baseline's only row (read against every seed of the other side)."""
     return (entry[keys[0]], entry[keys[1]]) if entry["seeds"] == [None] else _rows(entry, seeds, keys)
 
@@ -118,11 +139,13 @@ def method_statistics(rows: dict, labels: list[str], reference: str, boot: Any,
     for (label, budget, bench), entry in rows.items():
         if label not in labels:
             continue
-        tau = bootstrap_tau(entry["committed"], entry["rounds"], **kw)
+        tau = bootstrap_tau(entry["kept"], entry["rounds"], **kw)
         stats = {
             "tau": tau.to_dict(),
+            "tau_counts": entry["tau_counts"],
+            "accepted_per_round": pooled_tau(entry["committed"], entry["rounds"]),
             "seeds": [s for s in entry["seeds"] if s is not None],
-            "per_seed": {str(s): t for s, t in zip(entry["seeds"], per_seed_tau(entry["committed"], entry["rounds"]))
+            "per_seed": {str(s): t for s, t in zip(entry["seeds"], per_seed_tau(entry["kept"], entry["rounds"]))
                          if s is not None},
             "n_prompts": len(entry["ids"]),
             "ratio": None,
@@ -145,13 +168,14 @@ def method_statistics(rows: dict, labels: list[str], reference: str, boot: Any,
             else:
                 common = _common_seeds(entry, ref)
                 if common:
-                    ratio = paired_ratio(*_side(entry, common), *_rows(ref, common), **kw)
-                    stats["ratio"] = {**ratio.to_dict(), "seeds": common, "reference_budget": ref_budget}
+                    stats["ratio"] = {**ratio_record(_side(entry, common), _rows(ref, common), common, kw),
+                                      "reference_budget": ref_budget}
                     if "modeled_speedup" in stats and ref.get("modeled_seconds") is not None:
                         # the modeled speed-up over the reference's, paired as τ's ratio
                         keys = ("modeled_ar_seconds", "modeled_seconds")
-                        est = paired_ratio(*_side(entry, common, keys), *_rows(ref, common, keys), **kw)
-                        stats["modeled_ratio"] = {**est.to_dict(), "reference_budget": ref_budget}
+                        stats["modeled_ratio"] = {
+                            **ratio_record(_side(entry, common, keys), _rows(ref, common, keys), common, kw),
+                            "reference_budget": ref_budget}
         if entry["seeds"] != [None]:
             stats["versus"] = {}
             for base in versus:
@@ -160,15 +184,29 @@ def method_statistics(rows: dict, labels: list[str], reference: str, boot: Any,
                 if base == label or other is None or other["ids"] != entry["ids"]:
                     continue
                 if other["seeds"] == [None]:  # a training-free baseline: paired over prompts
-                    est = paired_ratio(entry["committed"], entry["rounds"], other["committed"], other["rounds"], **kw)
-                    stats["versus"][base] = {**est.to_dict(), "reference_budget": base_budget}
+                    seeds = stats["seeds"]
+                    stats["versus"][base] = {**ratio_record((entry["kept"], entry["rounds"]),
+                                                            (other["kept"], other["rounds"]), seeds, kw),
+                                             "reference_budget": base_budget}
                 else:  # another trained method: paired seed by seed, as the reference ratio
                     common = _common_seeds(entry, other)
                     if common:
-                        est = paired_ratio(*_rows(entry, common), *_rows(other, common), **kw)
-                        stats["versus"][base] = {**est.to_dict(), "seeds": common, "reference_budget": base_budget}
+                        stats["versus"][base] = {**ratio_record(_rows(entry, common), _rows(other, common), common,
+                                                                kw), "reference_budget": base_budget}
         out.setdefault(label, {}).setdefault(budget, {})[bench] = stats
     return out
+
+
+def ratio_record(side: tuple[np.ndarray, np.ndarray], ref: tuple[np.ndarray, np.ndarray], seeds: list,
+                 kw: dict) -> dict:
+    """One ratio as bench.json keeps it: the paired bootstrap estimate, the per-seed ratios, the seed-level t
+    interval over them (None with one seed) and ``win`` (both lower bounds above 1)."""
+    boot = paired_ratio(*side, *ref, **kw)
+    values = per_seed_ratios(*side, *ref)
+    t = t_interval(values, kw.get("confidence", 0.95))
+    labels = [str(s) for s in seeds] if len(seeds) == len(values) else [str(i) for i in range(len(values))]
+    return {**boot.to_dict(), "seeds": seeds, "per_seed": dict(zip(labels, values)),
+            "t": None if t is None else t.to_dict(), "win": is_win(boot, t)}
 
 
 GOAL_BYTES = 0.70  # issue 16's goal: <= 0.70x the reference's natural-routing expert bytes per token ...
@@ -364,8 +402,26 @@ FALLBACK_MARK = " †"  # a budgeted row's ratio to a method that was not evalua
 
 
 def _ratio_cell(est: dict | None, budget: str) -> str:
-    """A ratio cell, marked when its denominator is at natural routing while the row is under ``budget``."""
-    return _fmt(est) + (FALLBACK_MARK if est and est.get("reference_budget") not in (None, budget) else "")
+    """A ratio cell: the bootstrap estimate, the seed-level t interval and the per-seed values where there are
+    several seeds, **win** when both lower bounds exceed 1; marked † when its denominator is at natural routing
+    while the row is under ``budget``."""
+    text = _fmt(est)
+    if est and est.get("t"):
+        text += f" t [{est['t']['low']:.3f}, {est['t']['high']:.3f}]"
+    if est and len(est.get("per_seed") or {}) > 1:
+        text += " (" + " / ".join(f"{v:.2f}" for v in est["per_seed"].values()) + ")"
+    if est and est.get("win"):
+        text += " **win**"
+    return text + (FALLBACK_MARK if est and est.get("reference_budget") not in (None, budget) else "")
+
+
+def _tau_cell(stats: dict) -> str:
+    """τ with its interval, and the accepted-per-round figure where acceptances past the cap make it differ."""
+    text = _fmt(stats["tau"])
+    acc = stats.get("accepted_per_round")
+    if acc is not None and abs(acc - stats["tau"]["value"]) >= 5e-4:
+        text += f" ({acc:.3f} accepted+1)"
+    return text
 
 
 def _quality_cells(quality: dict | None) -> str:
@@ -396,10 +452,13 @@ def markdown(summary: dict) -> str:
         f"Target `{summary['target']}`; seeds {', '.join(map(str, summary['seeds']))}; "
         f"{ev['limit'] or 'all'} prompts per benchmark, {ev['max_new_tokens']} new tokens per turn, K = {ev['steps']}, "
         f"temperature {ev['temperature']}.",
-        f"τ = tokens committed per verification round, pooled over prompts and seeds. Intervals: {conf} % "
-        f"{summary['interval']['kind']} ({summary['interval']['samples']} replicates) resampling "
-        f"{summary['interval']['resampled']}. Ratios are τ / τ of `{ref}` (or the named method) at the same budget "
-        f"where it was evaluated there, else at natural routing (marked †).",
+        "τ = delivered tokens per verification round (acceptances past the token cap or an EOS do not count), pooled "
+        "over prompts and seeds; where it differs, Σ (accepted + 1) / Σ rounds follows in brackets. Intervals: "
+        f"{conf} % {summary['interval']['kind']} ({summary['interval']['samples']} replicates) resampling "
+        f"{summary['interval']['resampled']}; each ratio also shows its seed-level t interval over the per-seed "
+        "ratios and the per-seed values, and is a **win** only when both lower bounds exceed 1. "
+        f"Ratios are τ / τ of `{ref}` (or the named method) at the same budget where it was evaluated there, else at "
+        "natural routing (marked †).",
         "",
     ]
     variants = [(label, m) for label, m in summary["settings"].get("methods", {}).items()
@@ -457,7 +516,7 @@ def markdown(summary: dict) -> str:
                               else _ratio_cell(stats.get("modeled_ratio"), budget))
                     cost = (f"{_fmt(stats.get('expert_mib_per_token'), 2)} | {_fmt(stats.get('modeled_speedup'))} | "
                             f"{mratio} | ")
-                lines.append(f"| {label} | {_fmt(stats['tau'])} | {quality}{cost}{shown} | {against}{seeds} | "
+                lines.append(f"| {label} | {_tau_cell(stats)} | {quality}{cost}{shown} | {against}{seeds} | "
                              f"{minutes} |")
             lines.append("")
     lines += _front_lines(summary, conf)
@@ -511,7 +570,9 @@ def _front_lines(summary: dict, conf: int) -> list[str]:
                          f"{_percent(p.get('stepwise_agreement'))} | {kl} | "
                          f"{'yes' if p['front'] else ''} | {p['goal_score']:.2f} |")
         lines.append("")
-        for key, measure in (("goal_score", ""), ("goal_score_stepwise", "With the stepwise agreement in its place: ")):
+        for key, measure in (("goal_score", ""), ("goal_score_stepwise", "Secondary (a metric added after the goal was "
+                                                                         "set; the verdict is the line above): with "
+                                                                         "the stepwise agreement in its place, ")):
             best = min(points, key=lambda p: p[key])
             if best[key] == float("inf"):  # no point has that agreement (older evals)
                 continue

@@ -4,8 +4,10 @@ One :class:`SpeculativeEngine` decodes one sequence at a time (batch size 1) in 
 
 * ``ar``: no draft; each round is one target forward of the newest token (the autoregressive baseline);
 * ``chain``: EAGLE-3 top-1 chain of K drafts per round (:mod:`vat.eval.chain`);
-* ``ngram``: a chain of up to K prompt-lookup drafts per round (:mod:`vat.eval.ngram`), verified by the same chain
-  round as EAGLE-3 (same block layout, budget, union and acceptance rules; zero drafts = a one-token round);
+* ``ngram``: a chain of up to K training-free drafts per round, from prompt lookup (:mod:`vat.eval.ngram`) or suffix
+  decoding (:mod:`vat.eval.suffix`), verified by the same chain round as EAGLE-3 (same block layout, budget, union
+  and acceptance rules; zero drafts = a one-token round). Suffix decoding's cache of earlier responses lives as long
+  as the engine (one benchmark pass), as a server's would; :meth:`SpeculativeEngine.reset_lookup` empties it.
 * ``tree``: EAGLE dynamic tree per round (:mod:`vat.eval.tree`);
 * ``block``: a DFlash block of ``block_size - 1`` drafts per round (:mod:`vat.eval.block`), verified by the chain
   round (same layout, budget, union and acceptance rules).
@@ -32,7 +34,9 @@ from vat.errors import VatError
 from vat.eval.block import BlockState, draft_block
 from vat.eval.chain import ChainDraft, draft_chain, judge_chain
 from vat.eval.draft_state import DraftHead, DraftState
+from vat.eval.free_drafts import is_free_draft
 from vat.eval.ngram import NgramSpec, PromptLookup, point_mass_q
+from vat.eval.suffix import SuffixRequest, SuffixSpec
 from vat.eval.sampling import choose_token
 from vat.eval.tree import TreeSpec, build_tree, judge_tree
 from vat.target import BudgetSpec, FrozenTarget, window_union
@@ -102,8 +106,8 @@ class SpeculativeEngine:
     Args:
         target: the target; its ``aux_layer_ids`` must be the draft's.
         drafter: an EAGLE-3 draft with its embedding attached, a DFlash draft with the target's embedding and LM head
-            attached (block drafting), an :class:`NgramSpec` for training-free prompt lookup, or None for the
-            autoregressive baseline.
+            attached (block drafting), an :class:`NgramSpec` (prompt lookup) or :class:`SuffixSpec` (suffix decoding)
+            for a training-free draft, or None for the autoregressive baseline.
         steps: chain length K (EAGLE-3 chain or n-gram drafts per round; a DFlash block drafts its block_size - 1).
         tree: a :class:`TreeSpec` for dynamic-tree drafting with an EAGLE-3 draft (None = chain).
         temperature: 0 = greedy (lossless), > 0 = rejection sampling at this temperature.
@@ -124,7 +128,7 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: FrozenTarget,
-        drafter: Eagle3Drafter | DFlashDrafter | NgramSpec | None = None,
+        drafter: Eagle3Drafter | DFlashDrafter | NgramSpec | SuffixSpec | None = None,
         *,
         steps: int = 7,
         tree: TreeSpec | None = None,
@@ -138,8 +142,8 @@ class SpeculativeEngine:
         max_new_tokens: int = 256,
         eos_token_ids: Iterable[int] = (),
     ):
-        if isinstance(drafter, NgramSpec) and tree is not None:
-            raise VatError("n-gram drafts are chains of --steps tokens: drop --tree for them")
+        if is_free_draft(drafter) and tree is not None:
+            raise VatError("n-gram and suffix drafts are chains of --steps tokens: drop --tree for them")
         if isinstance(drafter, DFlashDrafter) and tree is not None:
             raise VatError("a DFlash draft drafts one block per round: drop --tree for it")
         self.target = target
@@ -154,13 +158,19 @@ class SpeculativeEngine:
         self.max_new_tokens = max_new_tokens
         self.eos = {int(t) for t in eos_token_ids}
         self._window = sliding_window_limit(target.config) if tree is not None else None
+        self._lookups = drafter.session() if is_free_draft(drafter) else None
+
+    def reset_lookup(self) -> None:
+        """Forget what a free draft's session has seen (suffix decoding's cache of earlier responses)."""
+        if self._lookups is not None:
+            self._lookups = self.drafter.session()
 
     @property
     def mode(self) -> str:
         """``ar``, ``chain``, ``ngram``, ``tree`` or ``block``."""
         if self.drafter is None:
             return "ar"
-        if isinstance(self.drafter, NgramSpec):
+        if is_free_draft(self.drafter):
             return "ngram"
         if isinstance(self.drafter, DFlashDrafter):
             return "block"
@@ -195,7 +205,10 @@ class SpeculativeEngine:
         elif self.mode == "block":
             state = BlockState(self.drafter, self.temperature)
         # the lookup's context is prompt + output; built here, inside the timed decode, as a server would
-        lookup = PromptLookup(self.drafter, [*prompt_ids, root]) if self.mode == "ngram" else None
+        lookup = None
+        if self._lookups is not None:
+            lookup = self._lookups.start(prompt_ids)
+            lookup.extend([root])
         pending = None
         if state is not None:
             nxt = torch.cat([prompt[:, 1:], prompt.new_tensor([[root]])], dim=1)  # (1, n): token after each position
@@ -231,7 +244,8 @@ class SpeculativeEngine:
         return kept
 
     def _round(
-        self, cache, state: DraftState | BlockState | None, head: DraftHead | None, lookup: PromptLookup | None,
+        self, cache, state: DraftState | BlockState | None, head: DraftHead | None,
+        lookup: PromptLookup | SuffixRequest | None,
         root: int, generator,
     ) -> _Outcome:
         if self.mode == "ar":

@@ -96,9 +96,10 @@ def turn_counts(gen: Generation, expert_bytes_per_layer: Sequence[int]) -> dict:
     """Counts of one turn's verification rounds, the summands of the pooled metrics.
 
     Returns:
-        ``rounds`` (target forwards after the prefill), ``committed`` (Σ accepted + 1: the numerator of ``tau``),
-        ``kept`` (Σ RoundStats.committed: tokens kept after EOS / max-new-tokens cuts; the denominator of
-        ``expert_bytes_per_token``), ``accepted``, ``drafted`` (ints) and ``expert_bytes`` (float).
+        ``rounds`` (target forwards after the prefill), ``committed`` (Σ accepted + 1: the numerator of
+        ``accepted_per_round``), ``kept`` (Σ RoundStats.committed: tokens delivered after EOS / max-new-tokens cuts;
+        the numerator of ``tau`` and the denominator of ``expert_bytes_per_token``), ``accepted``, ``drafted`` (ints)
+        and ``expert_bytes`` (float).
     """
     rounds = gen.rounds
     return {
@@ -150,7 +151,8 @@ def summarize(runs: Sequence[PromptRun], expert_bytes_per_layer: Sequence[int], 
         "n_turns": len(gens),
         "n_rounds": len(rounds),
         "generated_tokens": generated,
-        "tau": _ratio(sum(r.accepted + 1 for r in rounds), len(rounds)),
+        "tau": _ratio(round_tokens, len(rounds)),  # delivered: acceptances past the cap or an EOS do not count
+        "accepted_per_round": _ratio(sum(r.accepted + 1 for r in rounds), len(rounds)),
         "tokens_per_round": _ratio(round_tokens, len(rounds)),
         "drafted_per_round": _ratio(sum(r.drafted for r in rounds), len(rounds)),
         "verified_tokens_per_round": _ratio(sum(r.drafted + 1 for r in rounds), len(rounds)),

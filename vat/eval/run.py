@@ -10,6 +10,7 @@ Budgets apply to the verification forwards of the drafts only (docs/eval.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -21,6 +22,7 @@ import torch
 
 from vat.errors import VatError
 from vat.eval.engine import SpeculativeEngine
+from vat.eval.free_drafts import is_free_draft, parse_free_draft
 from vat.eval.metrics import PromptRun, by_category, prompt_counts, prompt_totals, set_speedups, summarize
 from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, NgramSpec
 from vat.eval.prompts import decode, eos_token_ids, render_chat
@@ -33,10 +35,10 @@ from vat.eval.quality import (
     summarize_quality,
 )
 from vat.eval.reference_cache import load_reference, reference_key, save_reference
+from vat.eval.suffix import SuffixSpec
 from vat.eval.tree import TreeSpec
 
 AR_LABEL = "none"
-NGRAM_LABEL = "ngram"
 NO_BUDGET = "none"
 EVAL_FORMAT_VERSION = 1
 TREE_POLICIES = ("confidence", "evict", "ecospec")  # how the drafted chain / tree is chosen before verification
@@ -57,8 +59,9 @@ class DraftEntry:
     acceptmoe: Any = None  # its AcceptMoE commitment weighting (--policy acceptmoe)
 
     @property
-    def is_ngram(self) -> bool:
-        return isinstance(self.model, NgramSpec)
+    def is_free(self) -> bool:
+        """A training-free draft (n-gram or suffix decoding)."""
+        return is_free_draft(self.model)
 
     @property
     def is_block(self) -> bool:
@@ -131,9 +134,10 @@ def _load_drafts(drafts: list[Any], ngram: NgramSpec) -> list[DraftEntry]:
             label, spec = spec
         if spec is None or (isinstance(spec, str) and spec.lower() == AR_LABEL):
             continue
-        if isinstance(spec, NgramSpec) or (isinstance(spec, str) and spec.lower() == NGRAM_LABEL):
-            model = spec if isinstance(spec, NgramSpec) else ngram
-            entries.append(DraftEntry(label=_draft_label(label or NGRAM_LABEL, taken), path=None, model=model))
+        model = spec if is_free_draft(spec) else parse_free_draft(spec, ngram) if isinstance(spec, str) else None
+        if model is not None:
+            name = label or (spec if isinstance(spec, str) else model.label)
+            entries.append(DraftEntry(label=_draft_label(name, taken), path=None, model=model))
             continue
         if isinstance(spec, (Eagle3Drafter, DFlashDrafter)):
             entries.append(DraftEntry(label=_draft_label(label or f"draft{i}", taken), path=None, model=spec))
@@ -254,8 +258,8 @@ def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_
     drafter = config.draft.model
     if config.draft.aux_layer_ids is not None:
         target.aux_layer_ids = list(config.draft.aux_layer_ids)  # the features this draft reads
-    eagle = drafter is not None and not config.draft.is_ngram and not config.draft.is_block
-    if evict is not None and (drafter is None or config.draft.is_ngram):
+    eagle = drafter is not None and not config.draft.is_free and not config.draft.is_block
+    if evict is not None and (drafter is None or config.draft.is_free):
         evict = None  # EVICT truncates a trained draft's chain, block or tree; n-gram chains carry no probabilities
     elif evict is not None:
         from vat.eval.cost import draft_shape
@@ -279,6 +283,7 @@ def _run_config(engine, tokenizer, prompts, config: RunConfig, benchmark: str, t
     saved, engine.max_new_tokens = engine.max_new_tokens, min(4, engine.max_new_tokens)
     engine.generate(warm, _generator(engine.target.device, seed, -1, 0))  # warm-up, not timed
     engine.max_new_tokens = saved
+    engine.reset_lookup()  # the warm-up's answer is not an earlier response of the pass
     runs = []
     desc = f"{benchmark} | {config.draft.label} | B={config.budget_label}"
     for index, prompt in enumerate(tqdm(prompts, desc=desc, disable=not progress, leave=False)):
@@ -317,6 +322,7 @@ def run_eval(
     commitment: str | None = None,
     ngram_n: int = DEFAULT_N_MAX,
     ngram_min: int = DEFAULT_N_MIN,
+    ngram_rule: str = "vllm",
     max_new_tokens: int = 256,
     limit: int | None = None,
     batch_size: int = 1,
@@ -366,6 +372,7 @@ def run_eval(
             (:mod:`vat.eval.commitment`); None = the prior 0.8^d.
         ngram_n: longest suffix the ``ngram`` draft matches (vLLM's ``prompt_lookup_max``).
         ngram_min: shortest suffix it matches (vLLM's ``prompt_lookup_min``).
+        ngram_rule: which earlier occurrence it copies (``vllm``: the earliest; ``recent``: the latest).
         max_new_tokens: tokens generated per turn.
         limit: prompts per benchmark.
         batch_size: only 1 (prompts are decoded one at a time).
@@ -413,11 +420,11 @@ def run_eval(
         raise VatError(f"--verify-cost {verify_cost}: no such file (write it with `vat profile --verify-widths ...`)")
     budget_list = parse_budgets(budgets) if isinstance(budgets, str) else list(budgets)
     _check_policies(tree_spec, tree_policy, affinity, policy, budget_list, commitment)
-    ngram_spec = NgramSpec(n_max=ngram_n, n_min=ngram_min)
+    ngram_spec = NgramSpec(n_max=ngram_n, n_min=ngram_min, rule=ngram_rule)
     start = time.time()
 
     entries = _load_drafts(list(drafts), ngram_spec)
-    eagle = [d for d in entries if not d.is_ngram]
+    eagle = [d for d in entries if not d.is_free]
     target_obj = _load_target(target, eagle, dtype, device, ngram=len(eagle) < len(entries),
                               experts_impl=experts_impl, device_map=device_map)
     _attach(eagle, target_obj, vh_threshold)
@@ -731,7 +738,7 @@ def _drafted_per_round(d: DraftEntry, steps: int, tree_spec: TreeSpec | None) ->
     """The most drafts one verification block of this draft holds."""
     if d.is_block:
         return d.model.config.block_size - 1
-    return steps if tree_spec is None or d.is_ngram else tree_spec.total_tokens
+    return steps if tree_spec is None or d.is_free else tree_spec.total_tokens
 
 
 def _draft_record(d: DraftEntry, tree_spec: TreeSpec | None) -> dict:
@@ -745,9 +752,10 @@ def _draft_record(d: DraftEntry, tree_spec: TreeSpec | None) -> dict:
 
 
 def _mode_record(d: DraftEntry, tree_spec: TreeSpec | None) -> dict:
-    if d.is_ngram:
-        return {"path": None, "mode": "ngram", "n_max": d.model.n_max, "n_min": d.model.n_min,
-                "verification_head": False, "vh_threshold": None}
+    if d.is_free:
+        settings = dataclasses.asdict(d.model)  # n-gram: n_max, n_min, rule; suffix: max_depth, ... (no rule)
+        return {"path": None, "mode": "ngram", "free_draft": "suffix" if isinstance(d.model, SuffixSpec) else "ngram",
+                "name": d.model.label, **settings, "verification_head": False, "vh_threshold": None}
     if d.is_block:
         return {"path": d.path, "mode": "block", "block_size": d.model.config.block_size,
                 "verification_head": d.model.verification_head is not None, "vh_threshold": d.vh_threshold}
@@ -784,7 +792,7 @@ def main(args: argparse.Namespace) -> int:
         served_dtype=getattr(args, "served_dtype", "bfloat16"),
         ecospec_lambda=getattr(args, "ecospec_lambda", 1.0), affinity=getattr(args, "affinity", None),
         commitment=getattr(args, "commitment", None), ngram_n=getattr(args, "ngram_n", DEFAULT_N_MAX),
-        ngram_min=getattr(args, "ngram_min", DEFAULT_N_MIN), max_new_tokens=args.max_new_tokens, limit=args.limit,
+        ngram_min=getattr(args, "ngram_min", DEFAULT_N_MIN), ngram_rule=getattr(args, "ngram_rule", "vllm"), max_new_tokens=args.max_new_tokens, limit=args.limit,
         batch_size=args.batch_size, seed=args.seed, output=args.output, dtype=getattr(args, "dtype", "auto"),
         device=getattr(args, "device", None), experts_impl=getattr(args, "experts_impl", None),
         device_map=getattr(args, "device_map", None), reference_cache=getattr(args, "reference_cache", None),
