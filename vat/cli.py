@@ -242,6 +242,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", help="bench YAML, e.g. recipes/bench/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides key.sub=value")
+    p.add_argument("--render", action="store_true", help="run nothing: rebuild bench.json, bench.md and the PNGs "
+                   "from the cells already finished (e.g. a committed bench under the current statistics)")
     p.set_defaults(func=_dispatch("vat.bench.run:main"))
 
 

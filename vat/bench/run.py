@@ -82,21 +82,24 @@ def _settings(bench: Any, cells: list[Cell]) -> dict:
     return settings
 
 
-def write_outputs(bench: Any, cells: list[Cell], fingerprints: list[str], target: str, out: str) -> list[str]:
+def write_outputs(bench: Any, cells: list[Cell], fingerprints: list[str], target: str, out: str,
+                  update_records: bool = True) -> list[str]:
     """Rebuild bench.json, bench.md and the PNGs from every finished cell; returns the paths written."""
     from vat.bench.plots import write_plots
     from vat.bench.summary import build_summary, write_summary
 
-    summary = build_summary(bench, cells, fingerprints, target, _settings(bench, cells))
+    summary = build_summary(bench, cells, fingerprints, target, _settings(bench, cells), update_records)
     return write_summary(summary, out) + write_plots(summary, out)
 
 
-def run_bench(bench: Any, progress: bool | None = None) -> dict:
+def run_bench(bench: Any, progress: bool | None = None, render_only: bool = False) -> dict:
     """Run every cell not finished yet, rebuilding the outputs after each; returns the bench.json dict.
 
     Args:
         bench: a :class:`vat.config.BenchConfig`.
         progress: show the trainer's and the engine's progress bars (default: when stderr is a terminal).
+        render_only: run nothing; rebuild bench.json, bench.md and the PNGs from the cells already finished (a bench
+            record re-read under the current statistics).
     """
     import json
 
@@ -105,18 +108,27 @@ def run_bench(bench: Any, progress: bool | None = None) -> dict:
     progress = sys.stderr.isatty() if progress is None else progress
     out = os.path.abspath(bench.output_dir)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench_config.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(bench))
+    if not render_only:
+        with open(os.path.join(out, "bench_config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(bench))
     cells = plan_cells(bench, out)
     for warning in check_same_training(cells):
         print(f"[vat bench] warning: {warning}", flush=True)
     trained = [c for c in cells if c.has_training]
-    target = _bench_target(cells)
+    target = _bench_target(cells, build=not render_only)  # rendering reads records: it builds no tiny target
     for cell in trained:
         cell.train_cfg.logging.progress = bool(progress and cell.train_cfg.logging.progress)
     print(f"[vat bench] {bench.name}: {len(bench.methods)} methods x {len(bench.seeds)} seeds + "
           f"{len(bench.baselines)} baselines = {len(cells)} cells -> {out}", flush=True)
     fingerprints = [cell_fingerprint(bench, cell, cell.target_dir(target)) for cell in cells]
+    if render_only:
+        done = sum(finished(c, f, bench, c.target_dir(target), update=False) is not None
+                   for c, f in zip(cells, fingerprints))
+        paths = write_outputs(bench, cells, fingerprints, target, out, update_records=False)
+        print(f"[vat bench] rendered {done} of {len(cells)} finished cells: "
+              f"{', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
+        with open(os.path.join(out, "bench.json")) as f:
+            return json.load(f)
     eta = Eta(cells)
     for i, cell in enumerate(cells, 1):
         head = f"[vat bench {i}/{len(cells)}] {cell.name}"
@@ -140,10 +152,15 @@ def run_bench(bench: Any, progress: bool | None = None) -> dict:
         return json.load(f)
 
 
-def _bench_target(cells: list[Cell]) -> str:
+def _bench_target(cells: list[Cell], build: bool = True) -> str:
     """The bench's target (the baselines' and every method's without its own ``target``): the one the methods train
-    for, else the one the first draft records, else the first method's own target."""
-    from vat.paths import resolve_target_path
+    for, else the one the first draft records, else the first method's own target. ``build=False`` names an embedded
+    tiny target's directory without building it."""
+    from vat.paths import TINY_TARGET_NAMES, tiny_target_dir
+    from vat.paths import resolve_target_path as resolve
+
+    def resolve_target_path(path: str) -> str:
+        return resolve(path) if build or path not in TINY_TARGET_NAMES else tiny_target_dir(TINY_TARGET_NAMES[path])
 
     shared = [c for c in cells if c.trained and c.target is None]
     trained = [c for c in shared if c.has_training]
@@ -175,7 +192,7 @@ def main(args: argparse.Namespace) -> int:
     """Entry point of `vat bench`."""
     from vat.config import load_bench_config
 
-    run_bench(load_bench_config(resolve_config(args.config), args.overrides))
+    run_bench(load_bench_config(resolve_config(args.config), args.overrides), render_only=args.render)
     return 0
 
 

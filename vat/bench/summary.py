@@ -324,7 +324,8 @@ def _mean(values: list) -> float | None:
     return float(np.mean(kept)) if kept else None
 
 
-def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target: str, settings: dict) -> dict:
+def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target: str, settings: dict,
+                  update_records: bool = True) -> dict:
     """The bench.json dict from every cell finished with its current settings.
 
     Args:
@@ -334,11 +335,12 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
             config changed, the cell not rerun yet) is left out rather than mixed in.
         target: the target directory.
         settings: what bench.json records as ``settings``.
+        update_records: let a cell record that still counts take the current fingerprint (False: read only).
     """
     records: dict[str, list[dict]] = {}
     done_cells = []
     for cell, fingerprint in zip(cells, fingerprints):
-        record = finished(cell, fingerprint, bench, cell.target_dir(target))
+        record = finished(cell, fingerprint, bench, cell.target_dir(target), update=update_records)
         if record is not None:
             records.setdefault(cell.method, []).append(record)
             done_cells.append(cell)
@@ -373,7 +375,32 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "curve": curve_statistics(records),
         "cells": {label: {("baseline" if r["seed"] is None else f"seed{r['seed']}"): r for r in rs}
                   for label, rs in records.items()},
+        "free_drafts": free_draft_settings(done_cells),
     }
+
+
+def free_draft_settings(cells: list[Cell]) -> dict[str, dict]:
+    """What each finished training-free baseline ran, from its eval.json (``rule`` absent = the recent-occurrence
+    n-gram rule every eval before vLLM's rule used)."""
+    out = {}
+    for cell in cells:
+        if cell.seed is not None or cell.method == "none":
+            continue
+        with open(eval_path(cell)) as f:
+            record = json.load(f).get("drafts", {}).get(cell.method) or {}
+        if record.get("mode") == "ngram":
+            out[cell.method] = {k: v for k, v in record.items() if k not in ("path", "verification_head",
+                                                                              "vh_threshold")}
+            out[cell.method].setdefault("rule", "recent")
+    return out
+
+
+def _free_draft_text(label: str, record: dict) -> str:
+    if record.get("free_draft") == "suffix":
+        return (f"`{label}` = suffix decoding (depth {record['max_depth']}, min probability {record['min_token_prob']}, "
+                f"{'with' if record.get('use_global', True) else 'without'} the cache of earlier responses)")
+    rule = {"vllm": "vLLM's rule (earliest occurrence)", "recent": "the recent-occurrence rule"}[record["rule"]]
+    return f"`{label}` = n-gram prompt lookup, {rule}, n = {record['n_min']}..{record['n_max']}"
 
 
 def _bench_order(bench: Any):
@@ -461,6 +488,9 @@ def markdown(summary: dict) -> str:
         "natural routing (marked †).",
         "",
     ]
+    free = summary.get("free_drafts") or {}
+    if free:
+        lines += ["Free drafts: " + "; ".join(_free_draft_text(k, v) for k, v in free.items()) + ".", ""]
     variants = [(label, m) for label, m in summary["settings"].get("methods", {}).items()
                 if m.get("draft") or m.get("target") or any(v is not None for v in (m.get("eval") or {}).values())]
     if variants:
