@@ -228,3 +228,23 @@ def test_package_data_globs_ship_the_recipes_and_spec_bench():
     spec_bench_dir = os.path.relpath(os.path.dirname(SPEC_BENCH_FILE), os.path.join(REPO_ROOT, "vat", "eval"))
     expected = {os.path.join(spec_bench_dir, f) for f in ("question.jsonl", "NOTICE", "LICENSE")}
     assert expected <= shipped(os.path.join("vat", "eval"), data["vat.eval"])
+
+
+def test_dev_and_test_splits_are_fixed_disjoint_and_test_is_the_120_prompt_set():
+    from vat.eval.benchmarks import DEV_SIZE, TEST_SIZE
+
+    for name in ("spec_bench", "humaneval"):
+        test, dev = load_benchmark(f"{name}@test"), load_benchmark(f"{name}@dev")
+        assert len(test) == TEST_SIZE and len(dev) == DEV_SIZE
+        assert not {p.question_id for p in test} & {p.question_id for p in dev}
+        # the test split is the set every 120-prompt bench ran on
+        assert [p.question_id for p in test] == [p.question_id for p in load_benchmark(name, limit=120)]
+        assert {p.benchmark for p in dev} == {f"{name}@dev"}
+        # a limit takes a spread subset of the split, never prompts outside it
+        assert {p.question_id for p in load_benchmark(f"{name}@dev", limit=10)} <= {p.question_id for p in dev}
+    # the split is taken before a category filter: the dev split's Spec-Bench GSM8K prompts
+    gsm = load_benchmark("spec_bench:math_reasoning@dev")
+    assert gsm and {p.category for p in gsm} == {"math_reasoning"}
+    assert {p.question_id for p in gsm} <= {p.question_id for p in load_benchmark("spec_bench@dev")}
+    with pytest.raises(VatError, match="split"):
+        load_benchmark("spec_bench@train")

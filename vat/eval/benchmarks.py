@@ -9,7 +9,12 @@
   ``turns``), HumanEval (``task_id``, ``prompt``), GSM8K (``question``, ``answer``), Alpaca (``instruction``,
   ``input``, ``output``), a bare ``prompt`` field, or chats (ShareGPT / ``messages``: the user turns);
 * any other string: a ``datasets`` hub name (``hf:`` prefix optional), loaded with ``load_dataset``;
-* an optional ``:category`` suffix keeping one category, e.g. ``spec_bench:math_reasoning`` (Spec-Bench's GSM8K).
+* an optional ``:category`` suffix keeping one category, e.g. ``spec_bench:math_reasoning`` (Spec-Bench's GSM8K);
+* an optional ``@test`` / ``@dev`` suffix (last) picking a fixed split: ``test`` = the first :data:`TEST_SIZE` prompts
+  spread over categories (the 120-prompt sets every committed bench ran on), ``dev`` = the next :data:`DEV_SIZE`
+  spread over what is left, disjoint from ``test``. Choices (λ, steps, n-gram settings) are made on ``dev``; headline
+  figures come from ``test``. The split is taken over the whole benchmark before a category filter, so
+  ``spec_bench:writing@dev`` is the writing prompts of the dev split; the benchmark's name keeps the suffix.
 
 Multi-turn prompts keep every turn; the evaluator feeds the model's own answer to turn 1 back before turn 2.
 """
@@ -24,6 +29,10 @@ from vat.data_prep.code_chats import CODE_INSTRUCTION
 from vat.errors import VatError
 
 HUMANEVAL_INSTRUCTION = CODE_INSTRUCTION  # the bench target's code chats are trained in this very format
+
+TEST_SIZE = 120  # prompts in a benchmark's test split
+DEV_SIZE = 40  # prompts in its dev split (HumanEval's 164 leave 44 after the test split)
+SPLITS = ("test", "dev")
 
 HUB_ALIASES = {  # known names with no local copy: (hub name, config, split)
     "gsm8k": ("openai/gsm8k", "main", "test"),
@@ -172,7 +181,11 @@ def load_benchmark(name_or_path: str, limit: int | None = None) -> list[Prompt]:
     Raises:
         VatError: unknown name / missing file / hub unreachable, or no row in a recognised layout.
     """
-    spec, category = name_or_path, None
+    spec, category, split = name_or_path, None, None
+    if not os.path.exists(spec) and "@" in spec:
+        spec, split = spec.rsplit("@", 1)
+        if split not in SPLITS:
+            raise VatError(f"unknown split `@{split}` in {name_or_path}; expected @{' or @'.join(SPLITS)}")
     if not os.path.exists(spec) and ":" in spec and not spec.startswith("hf:"):
         spec, category = spec.rsplit(":", 1)
     key = spec.lower()
@@ -201,9 +214,13 @@ def load_benchmark(name_or_path: str, limit: int | None = None) -> list[Prompt]:
         if prompt is None:
             unrecognised += 1
             continue
-        if category is not None and prompt.category != category:
-            continue
         prompts.append(prompt)
+    if split is not None:
+        prompts = split_prompts(prompts, split)
+        for p in prompts:
+            p.benchmark = f"{benchmark}@{split}"
+    if category is not None:
+        prompts = [p for p in prompts if p.category == category]
     if not prompts:
         what = f" in category {category!r}" if category else ""
         raise VatError(
@@ -211,6 +228,23 @@ def load_benchmark(name_or_path: str, limit: int | None = None) -> list[Prompt]:
             "turns, HumanEval task_id/prompt, GSM8K question/answer, Alpaca instruction/input/output, or chats)"
         )
     return spread_over_categories(prompts, limit)
+
+
+def split_prompts(prompts: list[Prompt], split: str) -> list[Prompt]:
+    """The ``test`` split (:data:`TEST_SIZE` prompts spread over categories) or the ``dev`` split (the next
+    :data:`DEV_SIZE`, spread over the rest), in file order; disjoint by construction.
+
+    Raises:
+        VatError: the benchmark has no prompt left for the dev split.
+    """
+    test = spread_over_categories(prompts, TEST_SIZE)
+    if split == "test":
+        return test
+    taken = {id(p) for p in test}
+    dev = spread_over_categories([p for p in prompts if id(p) not in taken], DEV_SIZE)
+    if not dev:
+        raise VatError(f"{len(prompts)} prompts: none left for a dev split after the {TEST_SIZE} of the test split")
+    return dev
 
 
 def spread_over_categories(prompts: list[Prompt], limit: int | None) -> list[Prompt]:

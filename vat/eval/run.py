@@ -461,8 +461,9 @@ def run_eval(
         for spec in benchmarks:
             loaded = load_benchmark(spec, limit=limit)
             name = loaded[0].benchmark
-            if not os.path.exists(spec) and ":" in spec and not spec.startswith("hf:"):
-                name += ":" + spec.rsplit(":", 1)[1]  # a category filter
+            base = spec.rsplit("@", 1)[0] if not os.path.exists(spec) else spec  # the split is in the name already
+            if not os.path.exists(spec) and ":" in base and not base.startswith("hf:"):
+                name += ":" + base.rsplit(":", 1)[1]  # a category filter
             name = _unique(name, bench_names)
             prompts = [p for p in loaded if _fits(tok, p, max_new_tokens, block, max_positions)]
             skipped[name] = {"too_long": len(loaded) - len(prompts)}
