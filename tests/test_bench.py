@@ -411,3 +411,30 @@ def test_a_budgeted_ratio_to_a_reference_evaluated_only_at_natural_routing_is_ma
     assert "| union | 2.500 [2.500, 2.500] | 1.250 [1.250, 1.250] | 1 |" in natural_table
     assert "| union | 1.500 [1.500, 1.500] | not measured (older eval: rerun) | – | – | 0.750 [0.750, 0.750] † | 1 |" \
         in budget_table
+
+
+def test_the_best_free_draft_is_picked_per_benchmark_and_shown_by_name():
+    from vat.bench.summary import best_free_drafts, markdown
+
+    def stats(tau, versus=None):
+        return {"tau": {"value": tau, "low": tau, "high": tau}, "seeds": [0] if versus else [], "per_seed": {},
+                "ratio": None, "n_prompts": 2, **({"versus": versus} if versus else {})}
+
+    est = lambda v: {"value": v, "low": v, "high": v}  # noqa: E731
+    results = {
+        "vat": {"none": {"sb": stats(3.0, {"ngram-vllm-1-3": est(1.5), "suffix": est(1.2), "ngram-recent-1-3": est(2.0)}),
+                         "he": stats(3.0, {"ngram-vllm-1-3": est(1.1), "suffix": est(1.4), "ngram-recent-1-3": est(2.0)})}},
+        "ngram-vllm-1-3": {"none": {"sb": stats(2.0), "he": stats(2.7)}},
+        "suffix": {"none": {"sb": stats(2.5), "he": stats(2.1)}},
+        "ngram-recent-1-3": {"none": {"sb": stats(1.5), "he": stats(1.5)}},
+        "none": {"none": {"sb": stats(1.0), "he": stats(1.0)}},
+    }
+    baselines = ["ngram-vllm-1-3", "suffix", "ngram-recent-1-3", "none"]
+    best = best_free_drafts(results, baselines)
+    assert best == {"none": {"sb": "suffix", "he": "ngram-vllm-1-3"}}  # AR is never the free draft
+    summary = _two_budget_summary(results, ["vat"], [0])
+    summary.update(budgets=["none"], benchmarks=["sb", "he"], baselines=baselines, best_free=best)
+    md = markdown(summary)
+    sb, he = md.split("## he")
+    assert "ratio to suffix (best free)" in sb and "1.200 [1.200, 1.200]" in sb and "ngram-recent-1-3 [" not in sb
+    assert "ratio to ngram-vllm-1-3 (best free)" in he and "1.100 [1.100, 1.100]" in he

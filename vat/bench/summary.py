@@ -278,6 +278,25 @@ def versus_labels(baselines: list[str], compare: list[str]) -> tuple[str, ...]:
     return (*(b for b in baselines if b != "none"), *compare)
 
 
+def best_free_drafts(results: dict, baselines: list[str]) -> dict[str, dict[str, str]]:
+    """The free baseline with the highest τ per budget and benchmark (``{budget: {bench: label}}``).
+
+    It is picked on the bench's own prompts: the pick favours the baseline (its best of several on these very
+    prompts), so a trained draft's ratio to it is conservative.
+    """
+    best: dict[str, dict[str, str]] = {}
+    for label in baselines:
+        if label == "none":
+            continue
+        for budget, per_bench in results.get(label, {}).items():
+            for bench, stats in per_bench.items():
+                current = best.setdefault(budget, {}).get(bench)
+                tau = stats["tau"]["value"]
+                if tau is not None and (current is None or tau > results[current][budget][bench]["tau"]["value"]):
+                    best[budget][bench] = label
+    return best
+
+
 def train_statistics(records: dict[str, list[dict]]) -> dict:
     """Per method: mean training wall minutes, tokens and final τ_sim per draft, over its finished seeds."""
     out = {}
@@ -351,6 +370,8 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
     budgets = list(dict.fromkeys(_budget_label(b) for label in [None, *bench.methods]
                                  for b in method_eval(bench, label)["budgets"]))  # the bench's, then methods' own
     rows = per_prompt_table(done_cells)
+    results = method_statistics(rows, labels, bench.reference, bench.bootstrap,
+                                versus=versus_labels(bench.baselines, bench.compare))
     return {
         "vat_bench_version": BENCH_FORMAT_VERSION,
         "name": bench.name,
@@ -368,8 +389,8 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "interval": {"kind": "percentile bootstrap", "resampled": "seeds and prompts (crossed); paired for ratios",
                      "samples": int(bench.bootstrap.samples), "confidence": float(bench.bootstrap.confidence)},
         "settings": settings,
-        "results": method_statistics(rows, labels, bench.reference, bench.bootstrap,
-                                     versus=versus_labels(bench.baselines, bench.compare)),
+        "results": results,
+        "best_free": best_free_drafts(results, list(bench.baselines)),
         "front": front_statistics(rows, labels, bench.reference, bench.bootstrap),
         "train": train_statistics(records),
         "curve": curve_statistics(records),
@@ -510,7 +531,10 @@ def markdown(summary: dict) -> str:
     for budget in summary["budgets"]:
         for bench in summary["benchmarks"]:
             title = bench if budget == NO_BUDGET else f"{bench}, expert budget B = {budget}"
-            versus = list(versus_labels(summary["baselines"], summary.get("compare", [])))
+            free = [b for b in summary["baselines"] if b != "none"]
+            best = (summary.get("best_free") or {}).get(budget, {}).get(bench)
+            # a grid of free drafts shows its best one (bench.json keeps the ratio to each)
+            versus = [*(free if len(free) <= 2 else [best] if best else []), *summary.get("compare", [])]
             budgeted = budget != NO_BUDGET
             quality_head = "agreement | stepwise agreement | KL to natural | " if budgeted else ""
             lines += [f"## {title}", ""]
@@ -526,7 +550,8 @@ def markdown(summary: dict) -> str:
             cost_head = (f"expert MiB/token [{conf} % CI] | modeled {acc} speed-up over AR [{conf} % CI] | "
                          f"modeled speed-up / {ref} [{conf} % CI] | ") if modeled else ""
             lines += [f"| method | τ [{conf} % CI] | {quality_head}{cost_head}ratio to {ref} [{conf} % CI] | "
-                      + "".join(f"ratio to {b} [{conf} % CI] | " for b in versus) + "seeds | train min/draft |",
+                      + "".join(f"ratio to {b}{' (best free)' if b == best and len(free) > 1 else ''} "
+                                f"[{conf} % CI] | " for b in versus) + "seeds | train min/draft |",
                       "|---|---|" + "---|---|---|" * budgeted + "---|---|---|" * modeled + "---|" + "---|" * len(versus)
                       + "---|---|"]
             for label in labels:
