@@ -438,3 +438,13 @@ def test_the_best_free_draft_is_picked_per_benchmark_and_shown_by_name():
     sb, he = md.split("## he")
     assert "ratio to suffix (best free)" in sb and "1.200 [1.200, 1.200]" in sb and "ngram-recent-1-3 [" not in sb
     assert "ratio to ngram-vllm-1-3 (best free)" in he and "1.100 [1.100, 1.100]" in he
+
+
+def test_benches_sharing_their_cells_report_apart(tmp_path):
+    from vat.bench.run import report_dir
+
+    out = str(tmp_path)
+    assert report_dir(out, "tiny") == out  # an empty output directory is the bench's own
+    (tmp_path / "bench_config.yaml").write_text("name: tiny\nseeds: [0]\n")
+    assert report_dir(out, "tiny") == out
+    assert report_dir(out, "tiny-import") == os.path.join(out, "benches", "tiny-import")

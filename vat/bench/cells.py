@@ -337,15 +337,20 @@ def cell_fingerprint(bench: Any, cell: Cell, target: str) -> str:
     return _sha(json.dumps(parts, sort_keys=True))
 
 
-def finished(cell: Cell, fingerprint: str, bench: Any = None, target: str | None = None,
-             update: bool = True) -> dict | None:
+def recorded(cell: Cell) -> dict | None:
+    """The cell's record as it was written (with its eval.json), whatever settings it ran with; None when absent.
+    What ``vat bench --render`` reads: a committed bench's cells, whose drafts and targets are not at hand."""
+    record = _read_json(os.path.join(cell.directory, CELL_FILE))
+    return record if record and os.path.exists(eval_path(cell)) else None
+
+
+def finished(cell: Cell, fingerprint: str, bench: Any = None, target: str | None = None) -> dict | None:
     """The cell's record when it finished with these settings, else None.
 
     A trained cell whose record carries another fingerprint still counts when what it ran can be checked against
     what is wanted now (``bench`` and ``target`` given): its draft's saved training config has the same identity
     (:func:`config_identity`: vat's defaults left out) and its evaluations ran with the wanted settings. Its record
-    then takes the current fingerprint (written back unless ``update`` is False). So records of an earlier vat, whose
-    identity kept every default, stay valid.
+    then takes the current fingerprint. So records of an earlier vat, whose identity kept every default, stay valid.
     """
     path = os.path.join(cell.directory, CELL_FILE)
     record = _read_json(path)
@@ -355,8 +360,7 @@ def finished(cell: Cell, fingerprint: str, bench: Any = None, target: str | None
         return record
     if bench is not None and target is not None and cell.has_training and _ran_as_wanted(bench, cell, target, record):
         record["fingerprint"] = fingerprint
-        if update:
-            _write_json(path, record)
+        _write_json(path, record)
         return record
     return None
 

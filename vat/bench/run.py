@@ -13,7 +13,16 @@ import sys
 import time
 from typing import Any
 
-from vat.bench.cells import Cell, cell_fingerprint, check_same_training, finished, plan_cells, resolve_recipe, run_cell
+from vat.bench.cells import (
+    Cell,
+    cell_fingerprint,
+    check_same_training,
+    finished,
+    plan_cells,
+    recorded,
+    resolve_recipe,
+    run_cell,
+)
 
 
 class Eta:
@@ -83,12 +92,12 @@ def _settings(bench: Any, cells: list[Cell]) -> dict:
 
 
 def write_outputs(bench: Any, cells: list[Cell], fingerprints: list[str], target: str, out: str,
-                  update_records: bool = True) -> list[str]:
+                  as_recorded: bool = False) -> list[str]:
     """Rebuild bench.json, bench.md and the PNGs from every finished cell; returns the paths written."""
     from vat.bench.plots import write_plots
     from vat.bench.summary import build_summary, write_summary
 
-    summary = build_summary(bench, cells, fingerprints, target, _settings(bench, cells), update_records)
+    summary = build_summary(bench, cells, fingerprints, target, _settings(bench, cells), as_recorded)
     return write_summary(summary, out) + write_plots(summary, out)
 
 
@@ -106,12 +115,13 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
     from omegaconf import OmegaConf
 
     progress = sys.stderr.isatty() if progress is None else progress
-    out = os.path.abspath(bench.output_dir)
+    cells_dir = os.path.abspath(bench.output_dir)
+    out = report_dir(cells_dir, bench.name)
     os.makedirs(out, exist_ok=True)
     if not render_only:
         with open(os.path.join(out, "bench_config.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(bench))
-    cells = plan_cells(bench, out)
+    cells = plan_cells(bench, cells_dir)
     for warning in check_same_training(cells):
         print(f"[vat bench] warning: {warning}", flush=True)
     trained = [c for c in cells if c.has_training]
@@ -122,9 +132,8 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
           f"{len(bench.baselines)} baselines = {len(cells)} cells -> {out}", flush=True)
     fingerprints = [cell_fingerprint(bench, cell, cell.target_dir(target)) for cell in cells]
     if render_only:
-        done = sum(finished(c, f, bench, c.target_dir(target), update=False) is not None
-                   for c, f in zip(cells, fingerprints))
-        paths = write_outputs(bench, cells, fingerprints, target, out, update_records=False)
+        done = sum(recorded(c) is not None for c in cells)
+        paths = write_outputs(bench, cells, fingerprints, target, out, as_recorded=True)
         print(f"[vat bench] rendered {done} of {len(cells)} finished cells: "
               f"{', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
         with open(os.path.join(out, "bench.json")) as f:
@@ -150,6 +159,21 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
     print(f"[vat bench] done: {', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)
+
+
+def report_dir(output_dir: str, name: str) -> str:
+    """Where a bench writes bench.json, bench.md, its PNGs and its config: ``output_dir`` itself, unless another bench
+    (another ``name`` in its bench_config.yaml) reports there, as when benches share their cells; then
+    ``output_dir/benches/<name>``, so no bench overwrites another's record. Cells always live in ``output_dir/cells``.
+    """
+    from omegaconf import OmegaConf
+
+    path = os.path.join(output_dir, "bench_config.yaml")
+    if os.path.isfile(path):
+        owner = OmegaConf.load(path).get("name")
+        if owner not in (None, name):
+            return os.path.join(output_dir, "benches", name)
+    return output_dir
 
 
 def _bench_target(cells: list[Cell], build: bool = True) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from vat.bench.cells import Cell, eval_path, finished
+from vat.bench.cells import Cell, eval_path, finished, recorded
 from vat.bench.stats import (
     bootstrap_tau,
     is_win,
@@ -344,7 +344,7 @@ def _mean(values: list) -> float | None:
 
 
 def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target: str, settings: dict,
-                  update_records: bool = True) -> dict:
+                  as_recorded: bool = False) -> dict:
     """The bench.json dict from every cell finished with its current settings.
 
     Args:
@@ -354,12 +354,12 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
             config changed, the cell not rerun yet) is left out rather than mixed in.
         target: the target directory.
         settings: what bench.json records as ``settings``.
-        update_records: let a cell record that still counts take the current fingerprint (False: read only).
+        as_recorded: read every cell with a record as it was recorded, checking no settings (``--render``).
     """
     records: dict[str, list[dict]] = {}
     done_cells = []
     for cell, fingerprint in zip(cells, fingerprints):
-        record = finished(cell, fingerprint, bench, cell.target_dir(target), update=update_records)
+        record = (recorded(cell) if as_recorded else finished(cell, fingerprint, bench, cell.target_dir(target)))
         if record is not None:
             records.setdefault(cell.method, []).append(record)
             done_cells.append(cell)
