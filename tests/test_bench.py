@@ -448,3 +448,29 @@ def test_benches_sharing_their_cells_report_apart(tmp_path):
     (tmp_path / "bench_config.yaml").write_text("name: tiny\nseeds: [0]\n")
     assert report_dir(out, "tiny") == out
     assert report_dir(out, "tiny-import") == os.path.join(out, "benches", "tiny-import")
+
+
+def test_greedy_cells_are_checked_against_autoregressive_outputs(tmp_path):
+    """Output hashes per prompt: a greedy natural-routing cell equal to AR on 1 of 2 prompts reads 1/2, NOT lossless."""
+    from types import SimpleNamespace
+
+    from vat.bench.cells import Cell
+    from vat.bench.summary import markdown, method_statistics, per_prompt_table
+
+    def write(label, seed, hashes):
+        cell = Cell(label, seed, str(tmp_path / label / str(seed)))
+        os.makedirs(os.path.join(cell.directory, "eval"))
+        prompts = [{"question_id": q, "committed": 6, "kept": 6, "rounds": 3, "output_hash": h}
+                   for q, h in zip("ab", hashes)]
+        with open(os.path.join(cell.directory, "eval", "eval.json"), "w") as f:
+            json.dump({"settings": {"temperature": 0.0}, "per_prompt": {label: {"none": {"sb": prompts}}}}, f)
+        return cell
+
+    cells = [write("vat", 0, ["x", "y"]), write("eagle3", 0, ["x", "z"]), write("none", None, ["x", "y"])]
+    boot = SimpleNamespace(samples=50, seed=0, confidence=0.95)
+    stats = method_statistics(per_prompt_table(cells), ["vat", "eagle3", "none"], "vat", boot)
+    assert stats["vat"]["none"]["sb"]["lossless"] == {"identical": 2, "compared": 2}
+    assert stats["eagle3"]["none"]["sb"]["lossless"] == {"identical": 1, "compared": 2}
+    summary = _two_budget_summary(stats, ["vat", "eagle3"], [0])
+    summary.update(budgets=["none"], baselines=["none"])
+    assert "NOT lossless: vat 2/2, eagle3 1/2." in markdown(summary)

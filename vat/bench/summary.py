@@ -62,7 +62,7 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
             for budget, per_bench in per_budget.items():
                 for bench, prompts in per_bench.items():
                     entry = rows.setdefault((label, budget, bench), {"seeds": [], "ids": None, "committed": [],
-                                                                     "rounds": [], "quality": None, "greedy": True,
+                                                                     "rounds": [], "quality": None, "greedy": True, "hashes": [],
                                                                      **{k: [] for k in EXTRA_COUNTS}})
                     ids = [p["question_id"] for p in prompts]
                     if entry["ids"] is not None and ids != entry["ids"]:
@@ -72,6 +72,7 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
                     entry["seeds"].append(cell.seed)
                     entry["greedy"] &= float(result["settings"].get("temperature", 0.0)) == 0.0
                     entry["committed"].append([p["committed"] for p in prompts])
+                    entry["hashes"].append([p.get("output_hash") for p in prompts])
                     entry["rounds"].append([p["rounds"] for p in prompts])
                     for key in EXTRA_COUNTS:  # expert bytes, kept tokens, modeled seconds (--cost-model)
                         entry[key].append([p.get(key) for p in prompts])
@@ -150,6 +151,8 @@ def method_statistics(rows: dict, labels: list[str], reference: str, boot: Any,
             "n_prompts": len(entry["ids"]),
             "ratio": None,
         }
+        if budget == NO_BUDGET and entry["greedy"] and label != "none":
+            stats["lossless"] = lossless_check(entry, rows.get(("none", NO_BUDGET, bench)))
         if budget != NO_BUDGET:  # a τ under a budget is never given without its quality (None: an older eval.json)
             q = entry.get("quality")
             stats["quality"] = summarize_quality(q["counts"], entry["greedy"]) if q else None
@@ -195,6 +198,18 @@ def method_statistics(rows: dict, labels: list[str], reference: str, boot: Any,
                                                                 kw), "reference_budget": base_budget}
         out.setdefault(label, {}).setdefault(budget, {})[bench] = stats
     return out
+
+
+def lossless_check(entry: dict, ar: dict | None) -> dict | None:
+    """Greedy decoding at natural routing must reproduce the target's own output: the share of (seed, prompt) runs
+    whose output hash equals the autoregressive baseline's on the same prompt (None without hashes or an AR cell)."""
+    if ar is None or ar["ids"] != entry["ids"] or not ar["hashes"] or not ar["greedy"]:
+        return None
+    reference = ar["hashes"][0]
+    pairs = [(h, r) for row in entry["hashes"] for h, r in zip(row, reference) if h is not None and r is not None]
+    if not pairs:
+        return None
+    return {"identical": sum(h == r for h, r in pairs), "compared": len(pairs)}
 
 
 def ratio_record(side: tuple[np.ndarray, np.ndarray], ref: tuple[np.ndarray, np.ndarray], seeds: list,
@@ -574,6 +589,11 @@ def markdown(summary: dict) -> str:
                 lines.append(f"| {label} | {_tau_cell(stats)} | {quality}{cost}{shown} | {against}{seeds} | "
                              f"{minutes} |")
             lines.append("")
+            checks = {label: r["lossless"] for label, r in zip(labels, rows_here) if r and r.get("lossless")}
+            if checks:
+                verdict = "lossless" if all(c["identical"] == c["compared"] for c in checks.values()) else "NOT lossless"
+                lines += [f"Greedy outputs against autoregressive decoding (same prompts, output hashes): {verdict}: "
+                          + ", ".join(f"{k} {c['identical']}/{c['compared']}" for k, c in checks.items()) + ".", ""]
     lines += _front_lines(summary, conf)
     if summary["curve"]:
         lines += ["## τ against training tokens", "",

@@ -6,6 +6,8 @@ pooling benchmarks or categories is exact.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -118,12 +120,17 @@ def prompt_counts(run: PromptRun, expert_bytes_per_layer: Sequence[int]) -> dict
     return {key: [t[key] for t in turns] for key in COUNT_KEYS}
 
 
+def output_hash(run: PromptRun) -> str:
+    """A short hash of a prompt's generated token ids, every turn (two runs with equal hashes said the same)."""
+    return hashlib.sha1(json.dumps([list(map(int, g.token_ids)) for g in run.turns]).encode()).hexdigest()[:16]
+
+
 def prompt_totals(run: PromptRun, expert_bytes_per_layer: Sequence[int]) -> dict:
-    """One prompt's counts summed over its turns, with its id and category (eval.json ``per_prompt``)."""
+    """One prompt's counts summed over its turns, with its id, category and output hash (eval.json ``per_prompt``)."""
     per_turn = prompt_counts(run, expert_bytes_per_layer)
     totals = {key: sum(values) for key, values in per_turn.items()}
     totals["expert_bytes"] = float(totals["expert_bytes"])
-    return {"question_id": run.question_id, "category": run.category, **totals}
+    return {"question_id": run.question_id, "category": run.category, **totals, "output_hash": output_hash(run)}
 
 
 def summarize(runs: Sequence[PromptRun], expert_bytes_per_layer: Sequence[int], num_experts: int) -> dict:
