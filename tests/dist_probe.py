@@ -2,7 +2,8 @@
 
 ``python -m torch.distributed.run --nproc_per_node N tests/dist_probe.py GRADS_DIR key=value ...`` (or :func:`run`
 in-process for one process). The gradient is taken where the trainer clips it: after DDP's all-reduce, so it is the
-global batch's gradient. Used by tests/test_distributed.py; not a test module itself.
+global batch's gradient. ``VAT_PROBE_NAN=RANK,STEP`` makes rank RANK alone see a NaN loss at step STEP. Used by
+tests/test_distributed.py; not a test module itself.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ def run(grads_dir: str, overrides: list[str]) -> None:
         return clip()
 
     trainer._clip_gradients = recording_clip
+    nan_rank, nan_step = (int(v) for v in os.environ.get("VAT_PROBE_NAN", "-1,-1").split(","))
+    if trainer.accelerator.process_index == nan_rank:  # this rank alone sees a NaN loss at step nan_step
+        forward = trainer._forward_loss
+
+        def nan_forward(batch, budget):
+            loss, metrics = forward(batch, budget)
+            return (loss * float("nan") if trainer.step + 1 == nan_step else loss), metrics
+
+        trainer._forward_loss = nan_forward
     try:
         trainer.run()
     finally:

@@ -293,3 +293,17 @@ def test_fsdp2_full_state_dicts_gather_resume_and_merge_with_real_gloo(tmp_path)
     a, b = state["midlayer.self_attn.q_proj.lora_A.default.weight"], state["midlayer.self_attn.q_proj.lora_B.default.weight"]
     torch.testing.assert_close(merged["midlayer.self_attn.q_proj.weight"],
                                state["midlayer.self_attn.q_proj.base_layer.weight"] + 2.0 * b @ a)
+
+
+def test_a_nan_on_one_rank_is_skipped_by_both_without_a_hang(workspace, tmp_path):  # noqa: F811
+    """Rank 1 alone sees a NaN loss at step 2: both ranks agree to skip it (an all-reduced flag), so neither waits in a
+    gradient all-reduce the other never joins; the run ends (a hang would hit the timeout) with step 2 unlogged."""
+    out = str(tmp_path / "nan")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", PROBE,
+           str(tmp_path / "g"), *_overrides(workspace, out), *COMMON]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false",
+               VAT_PROBE_NAN="1,2")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [1, 3, 4] and records[-1]["nonfinite_skipped"] == 1

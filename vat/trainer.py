@@ -525,7 +525,7 @@ class Trainer:
                 batch = {k: v.to(self.device) for k, v in collate([self.dataset[i] for i in indices], self.pad_id).items()}
                 with self.accelerator.accumulate(self.drafter):
                     loss, metrics = self._forward_loss(batch, self._budget_for_step(self.step))
-                    if not torch.isfinite(loss):
+                    if not self._all_ranks_finite(loss):  # skipped by every rank together, or none: no hang
                         self._nonfinite(indices)
                         self.optimizer.zero_grad(set_to_none=True)
                         continue
@@ -576,6 +576,18 @@ class Trainer:
             norms["vh_grad_norm"] = clip(self.vh_params, self.cfg.train.vh_grad_clip)
         # under FSDP2 the norm is a DTensor (already reduced over the shards)
         return {k: torch.as_tensor(float(v.full_tensor() if hasattr(v, "full_tensor") else v)) for k, v in norms.items()}
+
+    def _all_ranks_finite(self, loss: torch.Tensor) -> bool:
+        """Whether the micro-batch's loss is finite on every process.
+
+        Each rank deciding alone would hang multi-process training: a rank that skips ``backward`` never joins the
+        gradient all-reduce (DDP) or reduce-scatter (FSDP2) the others wait in. One all-reduce of a flag makes the
+        decision global; a single process pays nothing beyond the local check.
+        """
+        finite = torch.isfinite(loss.detach()).reshape(1).float()
+        if self.accelerator.num_processes > 1:
+            finite = self.accelerator.reduce(finite, reduction="sum") / self.accelerator.num_processes
+        return bool(finite.item() == 1.0)
 
     def _nonfinite(self, indices: list[int]) -> None:
         self.nonfinite_total += 1
