@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from vat.verify import (
     expected_accept,
+    greedy_accept,
     first_rejection,
     gather_block_targets,
     gather_ttt_targets,
@@ -346,10 +347,58 @@ def test_censored_positions_are_unknown_not_rejected():
     censored = torch.tensor([[False, False, True, True]])
     plain = simulate_verification(draft, target, valid)
     cens = simulate_verification(draft, target, valid, censored=censored)
-    assert int(plain.kstar) == 3 and int(cens.kstar) == 5  # K + 1: the chain survived as far as it is known
+    assert int(plain.kstar) == 3 and int(cens.kstar) == 3  # the base decay restarts at the first censored position
     assert cens.valid.tolist() == [[True, True, False, False]]
     assert cens.survival.tolist() == [[1.0, 1.0, 0.0, 0.0]]
     assert float(cens.tau_sum) == 3.0 and cens.acc_count.tolist() == [1.0, 1.0, 0.0, 0.0]
     # a rejection before the censoring is still a rejection
     early = simulate_verification(torch.eye(Vd)[[4, 1, 4, 4]][None] * 10, target, valid, censored=censored)
     assert int(early.kstar) == 1 and early.survival.tolist() == [[0.0, 0.0, 0.0, 0.0]]
+
+
+def _brute_censored_weights(accept: list[float], censored: list[bool], base: list[float]) -> list[float]:
+    """The censoring rule from its definition: enumerate every accept / reject outcome of the observed positions
+    (probability Π m or 1 - m), take k* = the first rejection, else the first censored position, else K + 1, and
+    average ŵ_k = 1 for k <= k*, w_base(k - k* + 1) after."""
+    import itertools
+
+    K = len(accept)
+    first_censored = next((k + 1 for k, c in enumerate(censored) if c), K + 1)
+    weights = [0.0] * K
+    for outcome in itertools.product([0, 1], repeat=K):
+        prob = 1.0
+        for k in range(K):
+            if not censored[k]:
+                prob *= accept[k] if outcome[k] else 1.0 - accept[k]
+            elif outcome[k]:  # censored positions have no outcome: count each path once
+                prob = 0.0
+        if prob == 0.0:
+            continue
+        kstar = next((k + 1 for k in range(K) if not censored[k] and not outcome[k]), None)
+        kstar = min(kstar or K + 1, first_censored)
+        for k in range(1, K + 1):
+            weights[k - 1] += prob * (1.0 if k <= kstar else base[k - kstar])
+    return weights
+
+
+@pytest.mark.parametrize("acceptance", ["greedy", "expected"])
+def test_censored_weights_restart_the_base_decay_brute_force(acceptance):
+    from vat.losses import adaptive_weights
+
+    K, Vd = 5, 6
+    base = torch.tensor([0.8**k for k in range(K)])
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        draft = torch.randn(1, K, Vd, generator=gen) * 2
+        target = torch.randn(1, K, Vd, generator=gen) * 2
+        if acceptance == "greedy":  # make some positions accepted
+            agree = torch.rand(1, K, generator=gen) < 0.7
+            target = torch.where(agree[..., None], draft * 3, target)
+        start = int(torch.randint(1, K + 1, (1,), generator=gen))  # first censored position (K = none)
+        censored = torch.arange(K)[None] >= start
+        result = simulate_verification(draft, target_dist(target), acceptance=acceptance, censored=censored)
+        got = adaptive_weights(result.kstar_probs, base)[0].tolist()
+        m = (greedy_accept(draft, target_dist(target).argmax_draft) if acceptance == "greedy"
+             else expected_accept(draft.softmax(-1), target_dist(target).probs_on_draft()))[0].tolist()
+        want = _brute_censored_weights(m, censored[0].tolist(), base.tolist())
+        assert got == pytest.approx(want, abs=1e-5), (m, start)

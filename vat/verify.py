@@ -475,8 +475,10 @@ def simulate_verification(
 
     Censored positions (``censored``, e.g. from :func:`onpolicy_censor`) have an unknown outcome: they are neither
     accepted nor rejected. They are left out of the survival labels, τ_sim and the acceptance metrics (the returned
-    ``valid`` excludes them) and do not end the chain for k*: a chain that survives up to its censoring has no
-    observed rejection (k* = K + 1), so the adaptive weights keep every later position at weight 1.
+    ``valid`` excludes them). For the adaptive weights a chain that survives up to its first censored position c is
+    restarted there: ``kstar`` is c (not an observed rejection, only where the base decay restarts), so the weights
+    are 1 up to c and ``w_base(k - c + 1)`` after it, the prior's reach probability from the last known point,
+    instead of 1 (the upper bound, which pulls VAT toward uniform weights when many positions are censored).
 
     Args:
         draft_logits: ``(..., K, V_d)`` draft logits over the draft vocab (detached internally).
@@ -509,7 +511,8 @@ def simulate_verification(
     if censored is not None:
         censored = censored.bool()
         valid = valid & ~censored  # observed positions
-        m = torch.where(censored, torch.ones_like(m), m)  # unknown outcome: does not end the chain (k*)
+        # unknown outcome: the chain's known part ends at its first censored position, where the base decay restarts
+        m = torch.where(censored, torch.zeros_like(m), m)
     kprobs = kstar_distribution(m)  # (..., K+1)
     if censored is not None:
         m = m * valid.float()  # labels and metrics from observed positions only
