@@ -96,3 +96,27 @@ def test_config_choices_match_the_modules_that_use_them():
     with pytest.raises(VatError, match="`acceptmoe` for config key `budget.policy`"):
         load_config(None, ["budget.policy=acceptmoe"])
     assert CHOICES["target.experts_impl"] == EXPERTS_IMPLS and CHOICES["loss.acceptance"] == ACCEPTANCE_RULES
+
+
+def test_thread_policy_sets_threads_and_passive_waits(monkeypatch, capsys):
+    import os
+
+    import torch
+
+    from vat.cli import apply_thread_policy, main
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    try:
+        apply_thread_policy(1)
+        assert torch.get_num_threads() == 1 and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        monkeypatch.setenv("VAT_THREADS", "2")
+        apply_thread_policy(None)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert main(["--threads", "0", "export", "x", "--format", "sglang", "--output", "y"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
+    monkeypatch.setenv("VAT_THREADS", "many")
+    assert main(["export", "x", "--format", "sglang", "--output", "y"]) == 2
+    assert "$VAT_THREADS must be a positive integer" in capsys.readouterr().err

@@ -285,10 +285,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="Verification-aware training of speculative-decoding drafts for MoE targets.",
     )
     parser.add_argument("--version", action="version", version="vat " + __import__("vat").__version__)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch's intra-op work (default "
+                        "$VAT_THREADS, else torch's: every core). OpenMP waits passively unless OMP_WAIT_POLICY is set, "
+                        "so two vat processes on few cores do not spin against each other")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in (_add_prep, _add_profile, _add_train, _add_eval, _add_bench, _add_export, _add_demo):
         add(sub)
     return parser
+
+
+def apply_thread_policy(threads: int | None) -> None:
+    """Passive OpenMP waits (set before torch starts its thread pool) and ``threads`` intra-op threads (or
+    ``$VAT_THREADS``); a bad value is one error line."""
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads is None and os.environ.get("VAT_THREADS"):
+        try:
+            threads = int(os.environ["VAT_THREADS"])
+        except ValueError:
+            raise VatError(f"$VAT_THREADS must be a positive integer, got {os.environ['VAT_THREADS']!r}") from None
+    if threads is None:
+        return
+    if threads < 1:
+        raise VatError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        apply_thread_policy(args.threads)
         result = args.func(args)
     except VatError as err:
         print(f"vat: error: {err}", file=sys.stderr)
