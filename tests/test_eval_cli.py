@@ -143,26 +143,30 @@ def test_ngram_cli_on_tiny_target_needs_no_trained_draft(saved, spec_bench_file,
     monkeypatch.setattr(tiny, "ensure_tiny_target", lambda size="full": target_dir)
     out = str(root / "ngram_out")
     rc = cli_main([
-        "eval", "--target", "tiny", "--draft", "ngram", "--benchmark", spec_bench_file, "--limit", "2",
-        "--max-new-tokens", "12", "--budget", "none,2", "--ngram-n", "2", "--output", out,
+        "eval", "--target", "tiny", "--draft", "ngram", "--draft", "suffix", "--benchmark", spec_bench_file,
+        "--limit", "2", "--max-new-tokens", "12", "--budget", "none,2", "--ngram-n", "2", "--output", out,
     ])
     assert rc == 0
     with open(os.path.join(out, "eval.json")) as f:
         ev = json.load(f)
     assert ev["target"] == target_dir
-    assert ev["drafts"]["ngram"] == {"path": None, "mode": "ngram", "n_max": 2, "n_min": 1,
-                                     "verification_head": False, "vh_threshold": None}
-    assert set(ev["results"]) == {"none", "ngram"} and set(ev["results"]["ngram"]) == {"none", "2"}
+    assert ev["drafts"]["ngram"] == {"path": None, "mode": "ngram", "free_draft": "ngram", "name": "ngram-vllm-1-2",
+                                     "n_max": 2, "n_min": 1, "rule": "vllm", "verification_head": False,
+                                     "vh_threshold": None}
+    assert ev["drafts"]["suffix"]["free_draft"] == "suffix" and ev["drafts"]["suffix"]["max_depth"] == 24
+    assert set(ev["results"]) == {"none", "ngram", "suffix"} and set(ev["results"]["ngram"]) == {"none", "2"}
     assert set(ev["per_prompt"]["ngram"]) == {"none", "2"}
     m = ev["results"]["ngram"]["2"]["spec_bench"]
     assert m["union_per_round"]["max"] <= 2 and m["n_rounds"] > 0
     with open(os.path.join(out, "generations.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     by_key = {(r["question_id"], r["draft"], r["budget"]): r["token_ids"] for r in rows}
-    for qid in {r["question_id"] for r in rows}:  # greedy, unbudgeted: prompt lookup is lossless
+    for qid in {r["question_id"] for r in rows}:  # greedy, unbudgeted: prompt lookup and suffix decoding are lossless
         assert by_key[(qid, "ngram", "none")] == by_key[(qid, "none", "none")]
+        assert by_key[(qid, "suffix", "none")] == by_key[(qid, "none", "none")]
     report = open(os.path.join(out, "report.md")).read()
-    assert "`ngram` (training-free n-gram prompt lookup" in report and "| ngram | 2 |" in report
+    assert "`ngram` (training-free n-gram prompt lookup, vLLM's rule" in report and "| ngram | 2 |" in report
+    assert "`suffix` (training-free suffix decoding" in report
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -152,8 +152,13 @@ def markdown_summary(result: dict) -> str:
 
 def _draft_origin(draft: dict, steps: int) -> str:
     """Where a draft came from, for the report's header."""
+    if draft.get("free_draft") == "suffix":
+        return (f"training-free suffix decoding, depth {draft['max_depth']}, "
+                f"{'with' if draft.get('use_global', True) else 'without'} the pass's earlier responses, chain K={steps}")
     if draft.get("mode") == "ngram":
-        return f"training-free n-gram prompt lookup, n = {draft['n_max']}..{draft['n_min']}, chain K={steps}"
+        rule = {"vllm": "vLLM's rule (earliest occurrence)", "recent": "recent occurrence"}[draft.get("rule", "recent")]
+        return (f"training-free n-gram prompt lookup, {rule}, n = {draft['n_max']}..{draft['n_min']}, "
+                f"chain K={steps}")
     if draft.get("path"):
         return draft["path"]
     return "autoregressive baseline" if draft.get("mode") == "ar" else "in-memory draft"
