@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# GPU validation of vat's budgeted Triton experts kernel (issue 14.4), on ONE CUDA GPU, offline, < 8 min on an H200.
+# GPU validation of vat's budgeted Triton experts kernel, on ONE CUDA GPU, offline, <= 6 min on an H200 (each stage has
+# its own time limit, so a rerun still fits a 15-minute device window).
 #
 #   bash scripts/gpu_check.sh [RESULTS_DIR] [--wheels DIR] [--dry-run]
 #
 # RESULTS_DIR defaults to $OUT, else ./gpu_check_results. Stages (each time-limited; a failing stage does not stop
 # the next, the exit status is non-zero if any failed):
-#   1. pytest -m gpu on every gpu-marked test file (compiled kernels, TRITON_INTERPRET=0)      -> pytest.log, pytest.xml
+#   1. pytest -m gpu on the kernel test files alone (tests/test_kernel*.py: another test module that fails to import
+#      cannot abort them), compiled kernels, -v -rA streamed to the log as results come          -> pytest.log, .xml
 #   2. budgeted forwards of all six families, experts_impl triton vs eager: fp32 strict, bf16 reported
 #                                                                                               -> parity.json, parity.md
-#   3. benchmarks/moe_kernel.py at verification shapes: T 8/32/64, B none/32/16/8, OLMoE and Qwen3-30B-A3B expert
+#   3. budgeted speculative decoding, triton vs grouped_mm, fp32, B = 4 and 8 (64 experts top-8): identical
+#      generations and rounds (benchmarks/eval_parity.py)                                       -> eval_parity.json, .md
+#   4. benchmarks/moe_kernel.py at verification shapes: T 8/32/64, B none/32/16/8, OLMoE and Qwen3-30B-A3B expert
 #      dims, bf16: HBM GB/s vs the device's peak, ratio to grouped_mm                          -> moe_kernel.json, .md
 # then summary.md (all of it) and env.txt.
 #
 # Offline: nothing is installed unless --wheels DIR is given (then `pip install --no-index --find-links DIR` of the
-# wheels in DIR, e.g. a newer transformers). vat runs from this checkout: if `import vat.kernels` does not already
+# wheels in DIR, e.g. a newer transformers; into the system site, else --user, else a directory under RESULTS_DIR put
+# first on PYTHONPATH). vat runs from this checkout: if `import vat.kernels` does not already
 # resolve here, a symlinked package tree under RESULTS_DIR/.vat_path maps vat -> vat/, vat.kernels -> kernels/,
 # vat.data_prep -> data_prep/, vat.recipes -> recipes/ (pyproject's package-dir) on PYTHONPATH — no pip, no network.
 # The Python used is $PYTHON (default: python3); it needs CUDA torch, triton and transformers 5.x.
@@ -29,7 +34,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) WHEELS="$2"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) RESULTS="$1"; shift ;;
   esac
 done
@@ -41,7 +46,8 @@ RESULTS="$(cd "$RESULTS" && pwd)"
 cd "$RESULTS"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 export PYTHONDONTWRITEBYTECODE=1
-T_TESTS="${GPU_CHECK_TESTS_S:-210}" T_PARITY="${GPU_CHECK_PARITY_S:-60}" T_BENCH="${GPU_CHECK_BENCH_S:-180}"
+T_TESTS="${GPU_CHECK_TESTS_S:-120}" T_PARITY="${GPU_CHECK_PARITY_S:-45}" T_EVAL="${GPU_CHECK_EVAL_S:-60}"
+T_BENCH="${GPU_CHECK_BENCH_S:-90}"
 STATUS=0
 log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
 
@@ -51,7 +57,12 @@ if [ -n "$WHEELS" ]; then
   # the top-level wheels (scripts/gpu_wheels.sh: transformers), their dependencies from DIR only where the image's
   # own versions do not satisfy them (DIR holds candidates for several Pythons; pip picks the matching one)
   mapfile -t TOP < <(ls "$WHEELS"/transformers-*.whl 2>/dev/null || ls "$WHEELS"/*.whl)
-  "$PYTHON" -m pip install --no-index --find-links "$WHEELS" "${TOP[@]}" || { log "wheel install failed"; exit 2; }
+  install() { "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" "$@" "${TOP[@]}"; }
+  if ! install && ! install --user; then
+    log "system and --user installs failed: installing into $RESULTS/.site (first on PYTHONPATH)"
+    install --target "$RESULTS/.site" || { log "wheel install failed"; exit 2; }
+    export PYTHONPATH="$RESULTS/.site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
 fi
 vat_here() { "$PYTHON" - "$REPO" <<'EOF' 2>/dev/null
 import os, sys
@@ -108,13 +119,13 @@ run_stage() {  # name, seconds, command...: time-limited, logged, status recorde
 printf '| stage | result | time |\n|---|---|---|\n' > "$RESULTS/stages.md"
 
 # ---- 1. GPU tests, compiled ---------------------------------------------------------------------------------------
-mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" "$REPO"/tests/test_*.py)
+mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" "$REPO"/tests/test_kernel*.py)
 if [ "$DRY" -eq 1 ]; then
   run_stage pytest "$T_TESTS" env TRITON_INTERPRET=0 "$PYTHON" -m pytest -p no:cacheprovider -o addopts="" \
     --collect-only -q -m gpu "${GPU_TESTS[@]}"
 else
-  run_stage pytest "$T_TESTS" env TRITON_INTERPRET=0 "$PYTHON" -m pytest -p no:cacheprovider -o addopts="" -q \
-    -m gpu --durations=10 --junitxml="$RESULTS/pytest.xml" "${GPU_TESTS[@]}"
+  run_stage pytest "$T_TESTS" env TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 "$PYTHON" -m pytest -p no:cacheprovider \
+    -o addopts="" -v -rA -m gpu --durations=10 --junitxml="$RESULTS/pytest.xml" "${GPU_TESTS[@]}"
 fi
 
 # ---- 2. six families, triton vs eager ------------------------------------------------------------------------------
@@ -126,7 +137,17 @@ else
     --output "$RESULTS/parity.json" --markdown "$RESULTS/parity.md"
 fi
 
-# ---- 3. kernel benchmark at verification shapes --------------------------------------------------------------------
+# ---- 3. budgeted speculative decoding, triton vs grouped_mm -------------------------------------------------------
+if [ "$DRY" -eq 1 ]; then
+  run_stage eval_parity "$T_EVAL" env TRITON_INTERPRET=1 "$PYTHON" "$REPO"/benchmarks/eval_parity.py --device cpu \
+    --prompts 1 --new-tokens 6 --budgets 4 --experts 16 --top-k 4 \
+    --output "$RESULTS/eval_parity.json" --markdown "$RESULTS/eval_parity.md"
+else
+  run_stage eval_parity "$T_EVAL" env TRITON_INTERPRET=0 "$PYTHON" "$REPO"/benchmarks/eval_parity.py \
+    --output "$RESULTS/eval_parity.json" --markdown "$RESULTS/eval_parity.md"
+fi
+
+# ---- 4. kernel benchmark at verification shapes --------------------------------------------------------------------
 if [ "$DRY" -eq 1 ]; then
   run_stage moe_kernel "$T_BENCH" "$PYTHON" "$REPO"/benchmarks/moe_kernel.py --cpu-smoke \
     --output "$RESULTS/moe_kernel.json" --markdown "$RESULTS/moe_kernel.md"
@@ -146,7 +167,7 @@ fi
   echo
   echo "## GPU tests"
   echo '```'; grep -E "passed|failed|error|skipped|collected|tests? (collected|selected)" "$RESULTS/pytest.log" | tail -n 5; echo '```'
-  for part in parity moe_kernel; do
+  for part in parity eval_parity moe_kernel; do
     echo
     if [ -s "$RESULTS/$part.md" ]; then cat "$RESULTS/$part.md"; else echo "($part: no table — see $part.log)"; fi
   done

@@ -51,7 +51,7 @@ def test_kernel_parity_cpu_smoke_is_strict(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_script_dry_run(tmp_path):
-    """The whole script on CPU (~30-40 s): environment, three stages, summary."""
+    """The whole script on CPU (~30-40 s): environment, four stages, summary."""
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
@@ -60,6 +60,7 @@ def test_gpu_check_script_dry_run(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "summary.md").read_text()
-    for stage in ("pytest", "parity", "moe_kernel"):
+    for stage in ("pytest", "parity", "eval_parity", "moe_kernel"):
         assert f"| {stage} | ok |" in summary
     assert "fp32 strict" in summary and "grouped_mm/triton" in summary
+    assert "identical generations" in summary and "| 4 |" in summary
