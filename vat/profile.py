@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vat.errors import VatError
+from vat.eval.quality import kl_divergence
 from vat.target import BudgetSpec, bytes_per_window, contiguous_windows, load_target, window_union
 
 
@@ -31,21 +32,6 @@ def parse_budget(text: str | None) -> int | list[int] | None:
     except ValueError:
         raise VatError(f"--budget must be an int or a comma list of ints, got `{text}`") from None
     return values[0] if len(values) == 1 else values
-
-
-def kl_divergence(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) per position from logits, in fp32.
-
-    Args:
-        logits_p: (..., V) logits of p (the budgeted distribution).
-        logits_q: (..., V) logits of q (the unbudgeted one).
-
-    Returns:
-        (...,) KL in nats; exactly 0 where the logits are identical.
-    """
-    logp = torch.log_softmax(logits_p.float(), dim=-1)
-    logq = torch.log_softmax(logits_q.float(), dim=-1)
-    return (logp.exp() * (logp - logq)).sum(-1)
 
 
 def profile_target(target, prompts_ids: list[list[int]], window: int, budget=None, policy: str = "substitute",

@@ -12,7 +12,7 @@ same prompt:
   the tokens after it, as it does in ``agreement``). 1 without a budget (greedy decoding is lossless); unlike the KL
   it depends on the draft, whose tokens choose the expert set at serving.
 - ``kl_to_natural``: KL(budgeted ‖ natural) of the next-token distribution on the target's own text (the natural
-  greedy output after its prompt), the figure ``vat profile`` measures (:func:`vat.profile.kl_divergence`), with the
+  greedy output after its prompt), the figure ``vat profile`` measures (:func:`kl_divergence`), with the
   prompt prefilled unbudgeted and the response tiled into windows of the draft's verification block from its first
   position, as served; mean over the response positions (Σ KL / Σ positions).
 
@@ -29,6 +29,21 @@ import torch
 COUNT_KEYS = ("matches", "compared", "first_divergence", "turns", "identical", "kl_sum", "kl_count",
               "step_matches", "step_compared", "step_turns")
 
+
+
+def kl_divergence(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position from logits, in fp32.
+
+    Args:
+        logits_p: (..., V) logits of p (the budgeted distribution).
+        logits_q: (..., V) logits of q (the unbudgeted one).
+
+    Returns:
+        (...,) KL in nats; exactly 0 where the logits are identical.
+    """
+    logp = torch.log_softmax(logits_p.float(), dim=-1)
+    logq = torch.log_softmax(logits_q.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
 
 def sequence_agreement(output: Sequence[int], reference: Sequence[int]) -> dict[str, int]:
     """Position-by-position agreement of one generated sequence with the natural one.
@@ -132,7 +147,6 @@ def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int], 
     Returns:
         ``{key: (Σ KL over response positions, number of positions)}`` for every key of ``budgets``.
     """
-    from vat.profile import kl_divergence
     from vat.target import BudgetSpec
     from vat.target.budget import AcceptMoESpec
 

@@ -6,7 +6,7 @@ positions and the tokens of each window share a set of d experts per MoE layer, 
 budget hook itself (:class:`vat.target.BudgetSpec`, substitution on all MoE layers). The W x d_w grid is the
 window-sharing constraint Window Pool trains for; the budget rows are the hard per-verification budget B over windows
 of the verification block (W = K + 1). Per cell: perplexity (all tokens, and the data's loss-masked tokens), the KL to
-the same target's natural next-token distribution (:func:`vat.profile.kl_divergence`), top-1 agreement with it, the
+the same target's natural next-token distribution (:func:`vat.eval.quality.kl_divergence`), top-1 agreement with it, the
 mean executed union per window and layer, and the token-layers left with no natural expert in the set.
 """
 
@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vat.errors import VatError
-from vat.profile import kl_divergence
+from vat.eval.quality import kl_divergence
 from vat.target import BudgetSpec, load_target, window_union
 
 
