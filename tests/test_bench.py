@@ -25,7 +25,7 @@ from vat.bench.stats import (
     student_t_quantile,
     t_interval,
 )
-from vat.config import load_bench_config
+from vat.bench.config import load_bench_config
 from vat.errors import VatError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

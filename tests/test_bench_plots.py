@@ -96,7 +96,7 @@ def test_a_method_label_with_a_dot_is_refused_in_one_line(tmp_path):
     one clear line instead, in the YAML and in an override; the packaged union bench's labels load."""
     import pytest
 
-    from vat.config import load_bench_config
+    from vat.bench.config import load_bench_config
     from vat.errors import VatError
 
     config = tmp_path / "bench.yaml"

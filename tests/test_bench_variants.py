@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from vat.config import load_bench_config
+from vat.bench.config import load_bench_config
 from vat.errors import VatError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

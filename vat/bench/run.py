@@ -1,7 +1,7 @@
 """`vat bench CONFIG [key=value ...]`: seeds x methods trained on the same data, order and steps, every cell evaluated
 with the real engine, τ per benchmark with bootstrap intervals and paired ratios to the reference (docs/bench.md).
 
-``main(args)`` is setup -> run -> write; :func:`run_bench` takes a loaded :class:`vat.config.BenchConfig`. After
+``main(args)`` is setup -> run -> write; :func:`run_bench` takes a loaded :class:`vat.bench.config.BenchConfig`. After
 every cell, bench.json, bench.md and the PNGs are rebuilt from the cells finished so far.
 """
 
@@ -105,7 +105,7 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
     """Run every cell not finished yet, rebuilding the outputs after each; returns the bench.json dict.
 
     Args:
-        bench: a :class:`vat.config.BenchConfig`.
+        bench: a :class:`vat.bench.config.BenchConfig`.
         progress: show the trainer's and the engine's progress bars (default: when stderr is a terminal).
         render_only: run nothing; rebuild bench.json, bench.md and the PNGs from the cells already finished (a bench
             record re-read under the current statistics).
@@ -214,7 +214,7 @@ def _draft_target(cells: list[Cell]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `vat bench`."""
-    from vat.config import load_bench_config
+    from vat.bench.config import load_bench_config
 
     run_bench(load_bench_config(resolve_config(args.config), args.overrides), render_only=args.render)
     return 0
