@@ -39,3 +39,13 @@ def _seed():
 def spec_bench_file() -> str:
     """The Spec-Bench question file packaged with vat (ignores ``$VAT_SPEC_BENCH``: tests count its 480 rows)."""
     return SPEC_BENCH
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after): reproducible fp32 reduction order, and no contention with
+    another torch process on a 2-core machine. A module opts in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import greedy_reference, tiny_model
 
 from vat.errors import VatError
 from vat.eval.engine import SpeculativeEngine
@@ -20,12 +20,7 @@ from vat.target import load_target
 NEW_TOKENS = 24
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- the trie and the speculation -------------------------------------------------------------------------------------
@@ -101,17 +96,6 @@ def setup():
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (6, 13)]
     yield model, target, prompts
     target.close()
-
-
-def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    """The target's own greedy decode: a plain loop of full forwards."""
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            ids.append(token)
-            out.append(token)
-    return out
 
 
 @pytest.mark.parametrize("steps", [3, 7])

@@ -128,3 +128,15 @@ def save_tiny_target(path, family: str = "olmoe", seed: int = 0, **kwargs) -> st
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    """The model's own greedy decode of ``n`` tokens after ``prompt``: a plain loop of full forwards (no cache), the
+    reference every speculative decode must reproduce token for token."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(token)
+            out.append(token)
+    return out
