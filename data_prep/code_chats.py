@@ -76,8 +76,10 @@ def function_chats(source: str, max_chars: int = 1500) -> list[list[dict]]:
 
 
 def read_code_chats(max_chars_total: int, heldout: int, heldout_every: int = 10, root: str | None = None,
-                    max_chars: int = 1500) -> tuple[list[list[dict]], list[list[dict]], dict]:
-    """Code chats from the standard library until ``max_chars_total`` characters of training chats are read.
+                    max_chars: int = 1500,
+                    max_train: int | None = None) -> tuple[list[list[dict]], list[list[dict]], dict]:
+    """Code chats from the standard library until ``max_chars_total`` characters of training chats are read (or
+    ``max_train`` training chats, with the held-out set complete).
 
     Every ``heldout_every``-th chat goes to the held-out set until it has ``heldout`` chats.
 
@@ -98,10 +100,51 @@ def read_code_chats(max_chars_total: int, heldout: int, heldout_every: int = 10,
                 train.append(chat)
                 chars += sum(len(m["content"]) for m in chat)
             kept += 1
-        if chars >= max_chars_total and len(held) >= heldout:
+        if (chars >= max_chars_total or (max_train is not None and len(train) >= max_train)) and len(held) >= heldout:
             break
     stats = {**stdlib_source(), "files_read": files, "chats": kept, "train_chats": len(train),
              "heldout_chats": len(held), "train_chars": chars}
     if root is not None:
         stats["stdlib"] = root
     return train, held, stats
+
+
+def write_mixed_source(sharegpt: str, output: str, rows: int, code_fraction: float, *, heldout: int,
+                       max_chars: int = 1500, root: str | None = None) -> dict:
+    """A chat file of ``rows`` conversations: ShareGPT's first rows with standard-library code chats interleaved at
+    ``code_fraction`` (row i is a code chat when floor((i + 1) f) > floor(i f)), written once as JSON Lines.
+
+    The code chats are the training split of :func:`read_code_chats` with the bench target's held-out count, so
+    the regenerated prompts never include the held-out code the build measures perplexity on; HumanEval's prompts
+    are not in the standard library. Deterministic from the ShareGPT file and the Python version.
+
+    Returns:
+        ``{"rows", "code_rows", "sharegpt_rows", **stdlib_source()}``.
+    """
+    import json
+    import math
+
+    from vat.data_prep.readers import iter_records
+
+    n_code = math.floor(rows * code_fraction)
+    code, _, _ = read_code_chats(max_chars_total=1 << 62, heldout=heldout, max_chars=max_chars, max_train=n_code,
+                                 root=root)
+    if len(code) < n_code:
+        n_code = len(code)
+    tmp = output + ".tmp"
+    written = code_rows = 0
+    sharegpt_rows = iter_records(sharegpt)
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i in range(rows):
+            if code_rows < n_code and math.floor((i + 1) * code_fraction) > math.floor(i * code_fraction):
+                f.write(json.dumps({"id": f"stdlib-{code_rows}", "messages": code[code_rows]}, ensure_ascii=False)
+                        + "\n")
+                code_rows += 1
+            else:
+                record = next(sharegpt_rows, None)
+                if record is None:
+                    break
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            written += 1
+    os.replace(tmp, output)
+    return {"rows": written, "code_rows": code_rows, "sharegpt_rows": written - code_rows, **stdlib_source()}

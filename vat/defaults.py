@@ -21,7 +21,9 @@ TINY_DATA_NAMES = ("tiny", "tiny-regen", "tiny-regen-t1")  # data.train values r
 TINY_REGEN = {
     "tiny": {"conversations": 2000, "max_new_tokens": 96, "max_turns": 2},
     "tiny-quick": {"conversations": 600, "max_new_tokens": 64, "max_turns": 2},
-    "tiny-bench": {"conversations": 2000, "max_new_tokens": 128, "max_turns": 2},  # provisional (bench target)
+    # the bench target answers code prompts with code: 30 % of its regenerated prompts are standard-library code chats
+    # (as in its pretraining mix; never HumanEval's prompts, never its held-out code)
+    "tiny-bench": {"conversations": 2000, "max_new_tokens": 128, "max_turns": 2, "code_fraction": 0.3},
 }
 
 
@@ -59,7 +61,8 @@ def ensure_tiny_regen_data(
 ) -> str:
     """The embedded target's own answers to the first ShareGPT conversations, prepared for training (cached).
 
-    The first ``conversations`` rows of ShareGPT V3 are regenerated greedily by the target with the fast path of
+    The first ``conversations`` rows of ShareGPT V3 (for the bench target, with standard-library code chats
+    interleaved at :data:`TINY_REGEN`'s ``code_fraction``) are regenerated greedily by the target with the fast path of
     :mod:`vat.data_prep.regen` (first ``max_turns`` assistant turns, ``max_new_tokens`` per reply, prompts capped so
     a whole conversation fits ``max_length`` and the target's pretraining context: 512 tokens, quick 256), then tokenised with
     :func:`vat.data_prep.chat.prepare_chat` (assistant-only loss mask; a reply cut at ``max_new_tokens`` gets no
@@ -104,7 +107,10 @@ def ensure_tiny_regen_data(
     max_prompt_tokens = context - max_new_tokens - 8  # 8: slack for the reply's closing template tokens
     if max_prompt_tokens < 16:
         raise VatError(f"max_length {max_length} leaves no room for prompts with max_new_tokens {max_new_tokens}")
+    code_fraction = defaults.get("code_fraction", 0.0)
     name = f"{tiny_cache_name(target_name)}-regen-c{conversations}-n{max_new_tokens}-t{max_turns or 'all'}-p{max_prompt_tokens}"
+    if code_fraction:
+        name += f"-code{code_fraction:g}"
     if temperature > 0:
         name += f"-T{temperature:g}"
     data_dir = os.path.join(vat_home(), "data")
@@ -119,6 +125,16 @@ def ensure_tiny_regen_data(
         print(
             f"[vat] regenerating {conversations} ShareGPT conversations with the {target_name} target -> {regen_file}"
         )
+        source = sharegpt_path()
+        if code_fraction:  # ShareGPT's first rows with code chats interleaved, written once
+            from vat.data_prep.code_chats import write_mixed_source
+
+            spec = spec_for(tiny_size(target_name))
+            source = os.path.join(data_dir, f"{tiny_cache_name(target_name)}-regen-source-c{conversations}-"
+                                            f"code{code_fraction:g}.jsonl")
+            if not os.path.exists(source):
+                write_mixed_source(sharegpt_path(), source, conversations, code_fraction,
+                                   heldout=spec.code_heldout, max_chars=spec.max_code_chars)
         model, tokenizer = load_generator_model(target_dir)
         regen = Regenerator(
             model,
@@ -131,7 +147,7 @@ def ensure_tiny_regen_data(
         )
         torch.manual_seed(0)
         with cpu_threads(1 if next(model.parameters()).device.type == "cpu" else None):
-            stats = regenerate_file(sharegpt_path(), regen_file, regen, limit=conversations, progress=progress)
+            stats = regenerate_file(source, regen_file, regen, limit=conversations, progress=progress)
         print(
             f"[vat] regen: {stats['written']} conversations written ({stats['already_done']} from an earlier run), "
             f"{stats['new_tokens']} new tokens in {stats['seconds']:.0f} s ({stats['new_tokens_per_second']:.0f} tok/s)"
