@@ -22,9 +22,10 @@ import torch
 from test_trainer import _metrics, _overrides, spec_bench_file_module, workspace  # noqa: F401  (module fixtures)
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_probe.py")
-# a schedule that moves every step (warmup 2, cosine 2), the union term in the gradient, checkpoints at step 2
-COMMON = ("method=vat", "loss.union_weight=0.1", "drafter.ttt_steps=3", "train.max_steps=4", "train.save_every=2",
-          "train.warmup_ratio=0.5", "train.keep_last=0")
+# a schedule that moves every step (warmup 2, cosine 2), the union term in the gradient on a sample of 8 anchors per
+# micro-batch (seeded by the global batch index, so both world sizes draw the same), checkpoints at step 2
+COMMON = ("method=vat", "loss.union_weight=0.1", "loss.union_max_anchors=8", "drafter.ttt_steps=3",
+          "train.max_steps=4", "train.save_every=2", "train.warmup_ratio=0.5", "train.keep_last=0")
 COMPARED = ("loss", "tau_sim", "acc_0", "cond_acc_2", "vh_bce", "vh_auc", "union_sim", "grad_norm", "vh_grad_norm",
             "tokens")
 

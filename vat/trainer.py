@@ -388,10 +388,10 @@ class Trainer:
         if self.cfg.drafter.kind == "dflash":
             from vat.drafters.dflash import sample_block_anchors
 
-            # seeded by the data position (not the global RNG): a resumed run draws the same anchors
+            # seeded by the global data position (not the global RNG, not the rank): a resumed run, and a run at
+            # another world size, draws the same anchors
             gen = torch.Generator().manual_seed(
-                self.cfg.seed * 1_000_003 + 7919 * self.position.epoch + self.position.batch_index
-                + 104_729 * self.accelerator.process_index)
+                self.cfg.seed * 1_000_003 + 7919 * self.position.epoch + self._global_batch_index() + 1)
             anchors = sample_block_anchors(loss_mask, attention, self.draft_config.block_size,
                                            self.cfg.drafter.num_anchors, gen)  # (B, N)
             with self.accelerator.autocast():
@@ -421,9 +421,15 @@ class Trainer:
         position (a resumed run draws the same). Windows restart at every response segment, where serving's first
         verification block of the turn starts, and each anchor starts a whole window in 1/W of the steps, per row
         independently (docs/vat_losses.md, "Budget windows")."""
-        gen = torch.Generator().manual_seed(self.budget_rng_seed + 7919 * self.step + 104_729 * self.position.batch_index
-                                            + 15_485_863 * self.accelerator.process_index)
+        gen = torch.Generator().manual_seed(self.budget_rng_seed + 7919 * self.step
+                                            + 104_729 * (self._global_batch_index() + 1))
         return tuple(torch.randint(self.budget_window, (rows,), generator=gen).tolist())
+
+    def _global_batch_index(self) -> int:
+        """The epoch-wide index of the micro-batch just taken: rank r's i-th batch is batch i * world + r of the
+        epoch (BucketedBatches), one process's i-th is batch i. Seeds drawn from it make a run the same at any
+        world size (one process with grad_accum = world sees the same batches in the same order)."""
+        return (self.position.batch_index - 1) * self.accelerator.num_processes + self.accelerator.process_index
 
     def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         from vat.losses import vat_objective
@@ -493,7 +499,8 @@ class Trainer:
         flat = anchor_valid.reshape(-1).nonzero().squeeze(-1)  # (n,)
         if not cap or flat.numel() <= cap:
             return flat
-        gen = torch.Generator().manual_seed(self.budget_rng_seed + 7919 * self.step + self.accelerator.process_index)
+        gen = torch.Generator().manual_seed(self.budget_rng_seed + 7919 * self.step
+                                            + 104_729 * (self._global_batch_index() + 1))  # per micro-batch, any world
         return flat[torch.randperm(flat.numel(), generator=gen)[:cap].to(flat.device)]
 
     # ---- the loop ------------------------------------------------------------------------------------------------
