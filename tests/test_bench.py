@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from vat.bench.config import load_bench_config
 from vat.bench.stats import (
     Estimate,
     bootstrap_tau,
@@ -25,7 +26,6 @@ from vat.bench.stats import (
     student_t_quantile,
     t_interval,
 )
-from vat.bench.config import load_bench_config
 from vat.errors import VatError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

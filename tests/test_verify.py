@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from vat.verify import (
     expected_accept,
-    greedy_accept,
     first_rejection,
     gather_block_targets,
     gather_ttt_targets,
+    greedy_accept,
     kstar_distribution,
     onpolicy_censor,
     sampled_accept,

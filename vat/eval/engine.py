@@ -36,8 +36,8 @@ from vat.eval.chain import ChainDraft, draft_chain, judge_chain
 from vat.eval.draft_state import DraftHead, DraftState
 from vat.eval.free_drafts import is_free_draft
 from vat.eval.ngram import NgramSpec, PromptLookup, point_mass_q
-from vat.eval.suffix import SuffixRequest, SuffixSpec
 from vat.eval.sampling import choose_token
+from vat.eval.suffix import SuffixRequest, SuffixSpec
 from vat.eval.tree import TreeSpec, build_tree, judge_tree
 from vat.target import BudgetSpec, FrozenTarget, window_union
 from vat.target.cache import (

@@ -65,11 +65,11 @@ class NgramSpec:
         """The draft's name in tables: ``ngram`` + rule and the (min, max) n, e.g. ``ngram-vllm-1-3``."""
         return f"ngram-{self.rule}-{self.n_min}-{self.n_max}"
 
-    def session(self) -> "NgramSpec":
+    def session(self) -> NgramSpec:
         """The state shared by the decodes of one benchmark pass: none (each lookup reads only its own sequence)."""
         return self
 
-    def start(self, prompt_ids: Sequence[int]) -> "PromptLookup":
+    def start(self, prompt_ids: Sequence[int]) -> PromptLookup:
         """The lookup of one decode, over its prompt (committed tokens are added with ``extend``)."""
         return PromptLookup(self, prompt_ids)
 

@@ -68,7 +68,7 @@ class SuffixSpec:
             parts.append("local")
         return "-".join(parts)
 
-    def session(self) -> "SuffixSession":
+    def session(self) -> SuffixSession:
         """A fresh cache for one benchmark pass (the global trie starts empty)."""
         return SuffixSession(self)
 
@@ -76,7 +76,7 @@ class SuffixSpec:
 @dataclass
 class _Node:
     count: int = 0
-    children: dict[int, "_Node"] = field(default_factory=dict)
+    children: dict[int, _Node] = field(default_factory=dict)
 
 
 class CountTrie:
@@ -164,7 +164,7 @@ class SuffixSession:
         self.global_trie = CountTrie(spec.max_depth)
         self._requests = 0
 
-    def start(self, prompt_ids: Sequence[int]) -> "SuffixRequest":
+    def start(self, prompt_ids: Sequence[int]) -> SuffixRequest:
         """A new request over ``prompt_ids``; its response joins the global trie as it is committed."""
         self._requests += 1
         return SuffixRequest(self, self._requests, prompt_ids)
