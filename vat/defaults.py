@@ -117,11 +117,13 @@ def ensure_tiny_regen_data(
     out = os.path.join(data_dir, f"{name}-{max_length}")
     if os.path.exists(os.path.join(out, "stats.json")):
         return out
-    with build_lock(out):
+    regen_file = os.path.join(data_dir, f"{name}.jsonl")  # independent of max_length: shared by every cut
+    # the lock is the regen file's, not the cut's: two runs wanting different max_length cuts of the same regen
+    # file must not both append to it (each skips only the ids done when it started)
+    with build_lock(regen_file):
         if os.path.exists(os.path.join(out, "stats.json")):  # built while we waited
             return out
         target_dir = resolve_target_path(target_name)
-        regen_file = os.path.join(data_dir, f"{name}.jsonl")  # independent of max_length: shared by every cut
         print(
             f"[vat] regenerating {conversations} ShareGPT conversations with the {target_name} target -> {regen_file}"
         )
