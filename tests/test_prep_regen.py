@@ -367,3 +367,30 @@ def test_tiny_regen_data_is_built_cached_and_resumable(tmp_path, monkeypatch):
     assert defaults.resolve_train_data("some/prepared/dir", "tiny-quick", 512) == "some/prepared/dir"
     with pytest.raises(Exception, match="embedded target"):
         defaults.resolve_train_data("tiny-regen", "/some/other/target", 512)
+
+
+def test_every_max_length_cut_of_one_regen_file_takes_the_same_lock(monkeypatch, tmp_path):
+    """Two runs wanting different cuts (max_length 512 and 1024) of the same regenerated file must serialise on the
+    file itself: each appends to it and skips only the ids done when it started (seen: 96 duplicated rows)."""
+    import contextlib
+
+    import vat.data_prep.tiny_target as tt
+    from vat.defaults import ensure_tiny_regen_data
+
+    monkeypatch.setenv("VAT_HOME", str(tmp_path))
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    @contextlib.contextmanager
+    def recording_lock(path):
+        seen.append(path)
+        raise Stop  # nothing past the lock runs: no target, no generation
+        yield
+
+    monkeypatch.setattr(tt, "build_lock", recording_lock)
+    for max_length in (512, 1024):
+        with pytest.raises(Stop):
+            ensure_tiny_regen_data("tiny-quick", max_length=max_length)
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0].endswith(".jsonl")
