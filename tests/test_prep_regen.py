@@ -375,6 +375,7 @@ def test_every_max_length_cut_of_one_regen_file_takes_the_same_lock(monkeypatch,
     import contextlib
 
     import vat.data_prep.tiny_target as tt
+
     from vat.defaults import ensure_tiny_regen_data
 
     monkeypatch.setenv("VAT_HOME", str(tmp_path))
