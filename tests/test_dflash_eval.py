@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from test_eval_sampling import chi_square, chi_square_critical
-from tiny_models import tiny_model
+from tiny_models import greedy_reference, tiny_model
 
 from vat.drafters.dflash import DFlashConfig, DFlashDrafter
 from vat.errors import VatError
@@ -61,17 +61,6 @@ def make_draft(model, target, *, rigged: bool, block_size: int = 5, vh: bool = F
         with torch.no_grad():
             draft.verification_head.weight.normal_(0, 0.3)
     return draft
-
-
-def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    """The target's own greedy decode: a plain loop of full forwards, no cache, no hooks of the engine."""
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            ids.append(token)
-            out.append(token)
-    return out
 
 
 @pytest.fixture(scope="module")

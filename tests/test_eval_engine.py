@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import greedy_reference as plain_greedy
 from tiny_models import tiny_model
 
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -77,13 +78,7 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     """The target's own greedy decode: a plain loop of full forwards, no cache, no hooks of the engine."""
     key = (id(model), tuple(prompt), n)
     if key not in _REFERENCE:
-        ids, out = list(prompt), []
-        with torch.no_grad():
-            for _ in range(n):
-                token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-                ids.append(token)
-                out.append(token)
-        _REFERENCE[key] = out
+        _REFERENCE[key] = plain_greedy(model, prompt, n)
     return _REFERENCE[key]
 
 
