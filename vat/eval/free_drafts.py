@@ -58,11 +58,6 @@ def parse_free_draft(name: str, ngram_default: NgramSpec | None = None) -> Ngram
     return None
 
 
-def free_draft_label(spec: NgramSpec | SuffixSpec) -> str:
-    """The canonical name of a free draft (``parse_free_draft(free_draft_label(s)) == s``)."""
-    return spec.label
-
-
 def expand_baselines(names) -> list[str]:
     """A bench's baselines with ``free`` replaced by :data:`DEFAULT_GRID` (order kept, duplicates dropped)."""
     out: list[str] = []
