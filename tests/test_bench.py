@@ -169,6 +169,26 @@ def test_delivered_tau_counts_no_token_past_the_cap(tmp_path):
 # ---- config -------------------------------------------------------------------------------------------------------
 
 
+def test_a_record_keeps_every_per_prompt_count_by_column():
+    from vat.bench.record import compact_eval, from_columns, per_prompt, to_columns
+
+    prompts = [{"question_id": 81, "rounds": 27, "kept": 126, "expert_bytes": 730497024.0,
+                "quality": {"matches": 80.0, "kl_sum": 0.0727}},
+               {"question_id": "HumanEval/0", "rounds": 18, "kept": 63, "expert_bytes": 1.5, "output_hash": "ab"}]
+    columns = to_columns(prompts)
+    assert columns["expert_bytes"] == [730497024, 1.5] and columns["quality.kl_sum"] == [0.0727, None]
+    assert columns["output_hash"] == [None, "ab"]
+    assert from_columns(columns) == prompts
+    full = {"settings": {"temperature": 0.0}, "results": {"big": 1}, "pooled": {}, "drafts": {"d": {}},
+            "per_prompt": {"d": {"none": {"spec_bench": prompts}}}}
+    compact = compact_eval(full)
+    assert "results" not in compact and "pooled" not in compact and "per_prompt" not in compact
+    assert per_prompt(compact) == full["per_prompt"] and compact["settings"] == full["settings"]
+    assert per_prompt({"settings": {}}) is None
+    with pytest.raises(KeyError):
+        compact_eval({"settings": {}})
+
+
 def test_bench_config_loads_and_names_bad_keys():
     cfg = load_bench_config(QUICK, ["eval.limit=5", "seeds=[3]", "methods.extra.recipe=tiny/eagle3.yaml"])
     assert cfg.eval.limit == 5 and list(cfg.seeds) == [3] and set(cfg.methods) == {"eagle3", "vat", "extra"}
@@ -218,18 +238,6 @@ def test_bench_continuations_name_their_source_by_seed(tmp_path):
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, two processes each spinning two OpenMP threads made the tiny
-    model's small matmuls ~20x slower (an eval of 98 s instead of 4 s); one thread keeps this test near a minute."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
@@ -319,6 +327,21 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
     other = load_bench_config(QUICK, [f"output_dir={out}", "methods.vat.overrides=[train.lr=0.5]"])
     cell = next(c for c in plan_cells(other, str(out)) if c.name == "vat seed 1")
     assert finished(cell, cell_fingerprint(other, cell, target), other, target) is None
+
+    # the bench's record: small, no drafts or checkpoints, and it renders the same tables as the bench it records
+    rec = tmp_path / "record"
+    assert vat_main(["bench", QUICK, f"output_dir={out}", "--record", str(rec)]) == 0
+    assert "record of 6 cells" in capsys.readouterr().out
+    kept = [p for p in rec.rglob("*") if p.is_file()]
+    assert not [p for p in kept if p.suffix in (".safetensors", ".pt", ".jsonl")]
+    assert not list(rec.rglob("curve"))  # a curve point's τ is in cell.json
+    size = sum(p.stat().st_size for p in kept)
+    assert size < sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 10
+    assert vat_main(["bench", str(rec / "bench_config.yaml"), f"output_dir={rec}", "--render"]) == 0
+    assert (rec / "bench.md").read_text() == (out / "bench.md").read_text()
+    assert json.loads((rec / "bench.json").read_text())["results"] == json.loads((out / "bench.json").read_text())["results"]
+    assert vat_main(["bench", QUICK, f"output_dir={out}", "--record", str(out)]) == 2  # never over its own output
+    assert "that is the bench's own output" in capsys.readouterr().err
 
 
 def _two_budget_summary(stats: dict, methods: list[str], seeds: list[int]) -> dict:

@@ -244,6 +244,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides key.sub=value")
     p.add_argument("--render", action="store_true", help="run nothing: rebuild bench.json, bench.md and the PNGs "
                    "from the cells already finished (e.g. a committed bench under the current statistics)")
+    p.add_argument("--record", default=None, metavar="DIR", help="run nothing: write the bench's record to DIR "
+                   "(summary, and per cell its record and per-prompt counts; no drafts or checkpoints), small "
+                   "enough to commit; `vat bench DIR/bench_config.yaml output_dir=DIR --render` renders it again")
     p.set_defaults(func=_dispatch("vat.bench.run:main"))
 
 

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from vat.errors import VatError
 
 CELL_FILE = "cell.json"
@@ -201,8 +203,6 @@ def config_identity(cfg: Any) -> str | None:
     Args:
         cfg: a config object, or the path of a saved ``config.yaml``.
     """
-    from omegaconf import OmegaConf
-
     if isinstance(cfg, str):
         if not os.path.exists(cfg):
             return None
@@ -223,8 +223,6 @@ def config_identity(cfg: Any) -> str | None:
 def method_defaults(method: str) -> dict:
     """vat's default training config for ``method`` as a dict, its preset applied (what a recipe setting nothing
     gets)."""
-    from omegaconf import OmegaConf
-
     from vat.config import VatConfig, load_config
 
     try:
@@ -387,6 +385,19 @@ def _ran_as_wanted(bench: Any, cell: Cell, target: str, record: dict) -> bool:
         return False
     curve = eval_settings(bench, curve=True, method=cell.method)
     return all(ran_with(os.path.join(cell.directory, "curve", f"step_{step}"), curve) for step in steps)
+
+
+def report_dir(output_dir: str, name: str) -> str:
+    """Where a bench writes bench.json, bench.md, its PNGs and its config: ``output_dir`` itself, unless another bench
+    (another ``name`` in its bench_config.yaml) reports there, as when benches share their cells; then
+    ``output_dir/benches/<name>``, so no bench overwrites another's record. Cells always live in ``output_dir/cells``.
+    """
+    path = os.path.join(output_dir, "bench_config.yaml")
+    if os.path.isfile(path):
+        owner = OmegaConf.load(path).get("name")
+        if owner not in (None, name):
+            return os.path.join(output_dir, "benches", name)
+    return output_dir
 
 
 def eval_path(cell: Cell) -> str:

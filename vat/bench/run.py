@@ -20,9 +20,11 @@ from vat.bench.cells import (
     finished,
     plan_cells,
     recorded,
+    report_dir,
     resolve_recipe,
     run_cell,
 )
+from vat.bench.record import write_record
 
 
 class Eta:
@@ -161,21 +163,6 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
         return json.load(f)
 
 
-def report_dir(output_dir: str, name: str) -> str:
-    """Where a bench writes bench.json, bench.md, its PNGs and its config: ``output_dir`` itself, unless another bench
-    (another ``name`` in its bench_config.yaml) reports there, as when benches share their cells; then
-    ``output_dir/benches/<name>``, so no bench overwrites another's record. Cells always live in ``output_dir/cells``.
-    """
-    from omegaconf import OmegaConf
-
-    path = os.path.join(output_dir, "bench_config.yaml")
-    if os.path.isfile(path):
-        owner = OmegaConf.load(path).get("name")
-        if owner not in (None, name):
-            return os.path.join(output_dir, "benches", name)
-    return output_dir
-
-
 def _bench_target(cells: list[Cell], build: bool = True) -> str:
     """The bench's target (the baselines' and every method's without its own ``target``): the one the methods train
     for, else the one the first draft records, else the first method's own target. ``build=False`` names an embedded
@@ -216,7 +203,15 @@ def main(args: argparse.Namespace) -> int:
     """Entry point of `vat bench`."""
     from vat.bench.config import load_bench_config
 
-    run_bench(load_bench_config(resolve_config(args.config), args.overrides), render_only=args.render)
+    bench = load_bench_config(resolve_config(args.config), args.overrides)
+    if getattr(args, "record", None):
+        if args.render:
+            run_bench(bench, render_only=True)
+        written = write_record(bench, args.record)
+        print(f"[vat bench] record of {written['cells']} cells: {written['files']} files, "
+              f"{written['bytes'] / 1e6:.2f} MB in {args.record}", flush=True)
+        return 0
+    run_bench(bench, render_only=args.render)
     return 0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from vat.bench.cells import Cell, eval_path, finished, recorded
+from vat.bench.record import per_prompt
 from vat.bench.stats import (
     bootstrap_tau,
     is_win,
@@ -54,9 +55,10 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
     for cell in cells:
         with open(eval_path(cell)) as f:
             result = json.load(f)
-        if "per_prompt" not in result:
+        counts = per_prompt(result)  # a full eval.json or a record's columns
+        if counts is None:
             raise VatError(f"{eval_path(cell)} has no per_prompt counts (an older vat eval); delete it to rerun")
-        for label, per_budget in result["per_prompt"].items():
+        for label, per_budget in counts.items():
             if label != cell.method:
                 continue  # an AR pass (only the `none` baseline cell's eval runs one and carries it)
             for budget, per_bench in per_budget.items():
@@ -660,7 +662,7 @@ def _front_lines(summary: dict, conf: int) -> list[str]:
 def write_summary(summary: dict, out: str) -> list[str]:
     """Write bench.json and bench.md atomically; returns their paths."""
     paths = []
-    for name, text in (("bench.json", json.dumps(summary, indent=2)), ("bench.md", markdown(summary))):
+    for name, text in (("bench.json", json.dumps(summary, separators=(",", ":"))), ("bench.md", markdown(summary))):
         path = os.path.join(out, name)
         with open(path + ".tmp", "w") as f:
             f.write(text)

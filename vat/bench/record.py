@@ -1,0 +1,172 @@
+"""A bench's record: what a repository keeps of a finished bench, small enough to commit, enough to recompute it.
+
+``vat bench CONFIG --record DIR`` copies from the bench's output directory its summary (bench.json, bench.md, the PNGs,
+bench_config.yaml) and, per cell, cell.json, the training config and the evaluation's settings, with each eval.json
+cut to what ``vat bench --render`` reads: the settings, the drafts, and the per-prompt counts (stored by column, one
+list per count, instead of one dict per prompt). Left out: checkpoints, drafts, training metrics, the curve points'
+own evaluations (their τ is in cell.json) and the eval's aggregate tables (rebuilt from the counts). A record renders
+the same tables as the full bench: ``vat bench DIR/bench_config.yaml output_dir=DIR --render``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from typing import Any
+
+from vat.bench.cells import plan_cells, report_dir
+from vat.errors import VatError
+
+# the eval.json keys a record keeps: what the bench summary reads, and what says how the eval ran
+EVAL_KEYS = ("vat_eval_version", "target", "target_info", "settings", "cost_model", "drafts", "benchmarks",
+             "benchmark_sources", "skipped", "quality_reference", "examples", "seconds")
+COLUMNS_KEY = "per_prompt_columns"  # {label: {budget: {benchmark: {count: [value per prompt]}}}}
+SUMMARY_FILES = ("bench.json", "bench.md", "bench_config.yaml")
+CELL_FILES = ("cell.json", os.path.join("eval", "bench_settings.json"), os.path.join("train", "config.yaml"))
+
+
+def _compact_number(value: Any) -> Any:
+    """An integral float as an int (byte and token counts are written as floats): same value, fewer characters."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
+
+
+def to_columns(prompts: list[dict]) -> dict[str, list]:
+    """One benchmark's per-prompt dicts as columns; a nested dict (``quality``) becomes ``quality.<key>`` columns.
+
+    Every prompt must carry the same keys (an eval writes them so); a key some prompts lack is kept with None there.
+    """
+    keys: list[str] = []
+    flat_rows = []
+    for prompt in prompts:
+        flat = {}
+        for key, value in prompt.items():
+            if isinstance(value, dict):
+                flat.update({f"{key}.{sub}": v for sub, v in value.items()})
+            else:
+                flat[key] = value
+        flat_rows.append(flat)
+        keys += [k for k in flat if k not in keys]
+    return {key: [_compact_number(row.get(key)) for row in flat_rows] for key in keys}
+
+
+def from_columns(columns: dict[str, list]) -> list[dict]:
+    """The per-prompt dicts :func:`to_columns` was given (None entries dropped, ``a.b`` columns nested again)."""
+    n = len(next(iter(columns.values()), []))
+    prompts: list[dict] = [{} for _ in range(n)]
+    for key, values in columns.items():
+        outer, _, inner = key.partition(".")
+        for prompt, value in zip(prompts, values):
+            if value is None:
+                continue
+            if inner:
+                prompt.setdefault(outer, {})[inner] = value
+            else:
+                prompt[key] = value
+    return prompts
+
+
+def per_prompt(result: dict) -> dict | None:
+    """An eval.json's per-prompt counts, ``{label: {budget: {benchmark: [prompt dict]}}}``, from a full eval.json or
+    a record's column layout; None when it has neither (an eval older than per-prompt counts)."""
+    if "per_prompt" in result:
+        return result["per_prompt"]
+    if COLUMNS_KEY not in result:
+        return None
+    return {label: {budget: {bench: from_columns(cols) for bench, cols in per_bench.items()}
+                    for budget, per_bench in per_budget.items()}
+            for label, per_budget in result[COLUMNS_KEY].items()}
+
+
+def compact_eval(result: dict) -> dict:
+    """An eval.json cut to :data:`EVAL_KEYS` plus its per-prompt counts by column (raises KeyError without them)."""
+    counts = per_prompt(result)
+    if counts is None:
+        raise KeyError("per_prompt")
+    out = {key: result[key] for key in EVAL_KEYS if key in result}
+    out[COLUMNS_KEY] = {label: {budget: {bench: to_columns(prompts) for bench, prompts in per_bench.items()}
+                                for budget, per_bench in per_budget.items()}
+                        for label, per_budget in counts.items()}
+    return out
+
+
+def _write_json(path: str, data: Any) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def _copy(src: str, dst: str) -> None:
+    if os.path.abspath(src) != os.path.abspath(dst):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy2(src, dst)
+
+
+def record_cell(cell: str, dest: str) -> list[str]:
+    """Write one finished cell's record (:data:`CELL_FILES`, its eval.json compacted) from folder ``cell`` to folder
+    ``dest`` (may be ``cell``); returns the paths written."""
+    kept = []
+    for name in CELL_FILES:
+        if os.path.isfile(os.path.join(cell, name)):
+            _copy(os.path.join(cell, name), os.path.join(dest, name))
+            kept.append(os.path.join(dest, name))
+    eval_json = os.path.join(cell, "eval", "eval.json")
+    if os.path.isfile(eval_json):
+        with open(eval_json) as f:
+            compact = compact_eval(json.load(f))
+        _write_json(os.path.join(dest, "eval", "eval.json"), compact)
+        kept.append(os.path.join(dest, "eval", "eval.json"))
+    return kept
+
+
+def write_record(bench: Any, dest: str) -> dict[str, int]:
+    """Write the record of a bench (a :class:`vat.bench.config.BenchConfig` whose cells ran) to folder ``dest``.
+
+    Returns:
+        ``{"files": n, "bytes": total, "cells": finished cells}`` of the record.
+
+    Raises:
+        VatError: the bench has no bench.json yet (nothing finished), or ``dest`` is the bench's own output.
+    """
+    cells_dir = os.path.abspath(bench.output_dir)
+    report = report_dir(cells_dir, bench.name)
+    if not os.path.isfile(os.path.join(report, "bench.json")):
+        raise VatError(f"{report} has no bench.json: run the bench (or --render it) before recording it")
+    if os.path.abspath(dest) in (cells_dir, os.path.abspath(report)):
+        raise VatError(f"--record {dest}: that is the bench's own output; name another folder")
+    kept: list[str] = []
+    for name in [*SUMMARY_FILES, *(os.path.basename(p) for p in glob.glob(os.path.join(report, "*.png")))]:
+        if os.path.isfile(os.path.join(report, name)):
+            _copy(os.path.join(report, name), os.path.join(dest, name))
+            kept.append(os.path.join(dest, name))
+    cells = [c for c in plan_cells(bench, cells_dir) if os.path.isfile(os.path.join(c.directory, "cell.json"))]
+    for cell in cells:
+        kept += record_cell(cell.directory, os.path.join(dest, os.path.relpath(cell.directory, cells_dir)))
+    return {"files": len(kept), "bytes": sum(os.path.getsize(p) for p in kept), "cells": len(cells)}
+
+
+def compact_in_place(root: str) -> dict[str, int]:
+    """Cut every recorded cell under ``root`` (a folder of committed bench records) down to its record, deleting
+    the rest of each cell's files; returns ``{"cells": n, "bytes": size of root after}``."""
+    cells = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(root, "**", "cell.json"), recursive=True))
+    for cell in cells:
+        keep = set(map(os.path.abspath, record_cell(cell, cell)))
+        _remove_everything_but(cell, keep)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+    return {"cells": len(cells), "bytes": size}
+
+
+def _remove_everything_but(root: str, keep: set[str]) -> None:
+    """Delete every file under ``root`` not in ``keep`` (absolute paths), then the folders left empty."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            path = os.path.abspath(os.path.join(folder, name))
+            if path not in keep:
+                os.remove(path)
+        if not os.listdir(folder):
+            os.rmdir(folder)
