@@ -1,5 +1,6 @@
 """Shared test set-up. TRITON_INTERPRET must be set before any kernel module is imported (DESIGN §11.7)."""
 
+import json
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -49,3 +50,44 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def train_workspace(tmp_path_factory):
+    """A saved tiny OLMoE target and a prepared chat dataset built with its tokenizer (`vat train` tests)."""
+    from tiny_models import save_tiny_target
+    from vat.data_prep.chat import prepare_chat
+
+    root = tmp_path_factory.mktemp("train")
+    target = save_tiny_target(root / "target", "olmoe", num_experts=8, top_k=2)
+    rows = []
+    with open(SPEC_BENCH) as f:
+        for i, line in enumerate(f):
+            if i >= 48:
+                break
+            q = json.loads(line)["turns"][0][:200]
+            answer = " ".join(reversed(q.split()))[:160]
+            rows.append({"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": answer}]})
+    chats = root / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps(r) for r in rows))
+    prepare_chat(str(chats), target, str(root / "data"), max_length=256, progress=False)
+    return {"target": target, "data": str(root / "data"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def saved_target_and_draft(tmp_path_factory):
+    """A saved tiny OLMoE target (with tokenizer) and a random EAGLE-3 draft saved by vat's checkpoint writer
+    (`vat eval` tests): (root, target_dir, draft_dir)."""
+    from tiny_models import save_tiny_target
+    from transformers import AutoConfig
+
+    from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from vat.export.checkpoint import save_draft
+
+    root = tmp_path_factory.mktemp("eval")
+    target_dir = save_tiny_target(str(root / "target"), "olmoe")
+    config = AutoConfig.from_pretrained(target_dir)
+    cfg = Eagle3Config.for_target(config, draft_vocab_size=config.vocab_size, target_path=target_dir)
+    torch.manual_seed(0)
+    draft_dir = save_draft(Eagle3Drafter(cfg), cfg, str(root / "run" / "final"))
+    return root, target_dir, draft_dir

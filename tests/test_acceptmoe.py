@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import make_eagle3_draft
 from tiny_models import FAMILIES, tiny_model
 
 from vat.errors import VatError
@@ -15,13 +16,7 @@ from vat.eval.tree import DraftTree
 from vat.target import BudgetSpec, load_target, window_union
 from vat.target.budget import AcceptMoESpec, budget_sets, commitment_weights, effective_rank
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- commitment weights ------------------------------------------------------------------------------------------
@@ -233,8 +228,6 @@ def test_self_sized_acceptmoe_keeps_the_root_natural_and_sizes_each_window():
 def test_tree_verification_weighs_tokens_by_their_tree_depth(monkeypatch):
     """Through the engine: every tree verification forward under ``acceptmoe`` gets α from the tree's own depths
     (N_d > 1 at some depth), and the decode runs to its length with a cut union."""
-    from test_eval_engine import make_draft
-
     import vat.target.model as model_module
     from vat.eval.engine import SpeculativeEngine
     from vat.eval.tree import TreeSpec
@@ -251,7 +244,7 @@ def test_tree_verification_weighs_tokens_by_their_tree_depth(monkeypatch):
 
     monkeypatch.setattr(model_module, "commitment_weights", recording)
     try:
-        draft = make_draft(model, target, rigged=True)
+        draft = make_eagle3_draft(model, target, rigged=True)
         spec = AcceptMoESpec(commitment=(0.5, 0.25))
         engine = SpeculativeEngine(target, draft, tree=TreeSpec(3, 3, 8), budget="auto", policy="acceptmoe",
                                    acceptmoe=spec, max_new_tokens=16)

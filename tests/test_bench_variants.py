@@ -16,14 +16,6 @@ from vat.errors import VatError
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def _write_config(path, draft_root: str, tree: str = "2,2,4") -> str:
     text = f"""
 name: variants

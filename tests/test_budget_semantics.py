@@ -1,12 +1,12 @@
 """Expert-budget semantics on the real tiny transformers models, against per-token Python references
-(``_reference_budget`` in test_target.py): DeepSeek-V3's group limit under a budget, truncation's coverage fallback,
+(``reference_budget`` in helpers.py): DeepSeek-V3's group limit under a budget, truncation's coverage fallback,
 B < k, B between k and the natural union, and the dropped-slot path of every experts implementation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_target import _reference_budget, _router_io
+from helpers import reference_budget, router_io
 from tiny_models import FAMILIES, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -36,7 +36,7 @@ def _deepseek(n_group: int, topk_group: int, seed: int = 0, **kwargs):
 
 def _budgeted_io(target, ids, spec):
     """One budgeted forward; per MoE layer the router's natural output on the same input and what the experts got."""
-    records, handles = _router_io(target)
+    records, handles = router_io(target)
     out = target.forward(ids, budget=spec)
     for h in handles:
         h.remove()
@@ -52,7 +52,7 @@ def _assert_matches_reference(family, target, out, layers, spec):
     groups = out.window_groups.reshape(-1).tolist()
     routes = []
     for ordinal, (router, (logits, nat_w, nat_ids), (_, got_w, got_ids)) in enumerate(layers):
-        want_all = _reference_budget(family, router, logits, nat_w, nat_ids, groups, spec.B, spec.policy)
+        want_all = reference_budget(family, router, logits, nat_w, nat_ids, groups, spec.B, spec.policy)
         for t, want in enumerate(want_all):
             got = {e: w for e, w in zip(got_ids[t].tolist(), got_w[t].tolist()) if e != target.num_experts}
             assert set(got) == set(want), (family, spec.policy, ordinal, t, got, want)

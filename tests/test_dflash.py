@@ -18,12 +18,7 @@ from vat.errors import VatError
 HIDDEN, VOCAB, LAYERS = 64, 128, 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_draft(*, vh: bool = False, block_size: int = 4, layers: int = 2, seed: int = 0) -> DFlashDrafter:

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from test_eval_sampling import chi_square, chi_square_critical
+from helpers import chi_square, chi_square_critical, make_dflash_draft
 from tiny_models import greedy_reference, tiny_model
 
 from vat.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -22,45 +22,7 @@ from vat.target import load_target
 NEW_TOKENS = 24
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def make_draft(model, target, *, rigged: bool, block_size: int = 5, vh: bool = False, seed: int = 0) -> DFlashDrafter:
-    """A random 1-layer DFlash draft, or one rigged to draft the anchor token repeated in every slot.
-
-    The rigged draft has no context (zero ``fc``), uniform attention (zero ``q_proj``), MASK slots that carry no value
-    (``v_proj`` projects out the MASK token's normed embedding) and an ``o_proj`` that maps the anchor's value onto
-    the target's LM-head row of the anchor, scaled to dominate the residual: every slot proposes the root again,
-    which random tiny targets often repeat -- and often do not, so full, partial and zero acceptance all run.
-    """
-    torch.manual_seed(seed)
-    cfg = DFlashConfig.for_target(
-        model.config, num_hidden_layers=1, block_size=block_size, mask_token_id=3, verification_head=vh,
-        num_key_value_heads=model.config.num_attention_heads,
-    )
-    draft = DFlashDrafter(cfg, target.embed_tokens().weight, target.lm_head().weight).eval()
-    target.aux_layer_ids = list(cfg.target_layer_ids)  # the features this draft reads
-    if rigged:
-        layer = draft.layers[0]
-        with torch.no_grad():
-            draft.fc.weight.zero_()
-            layer.self_attn.q_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-            x = layer.input_layernorm(target.embed_tokens().weight)  # (V, H) what v_proj reads per token
-            u = x[cfg.mask_token_id] / x[cfg.mask_token_id].norm()
-            project = torch.eye(cfg.hidden_size) - torch.outer(u, u)
-            layer.self_attn.v_proj.weight.copy_(project)
-            rows = target.lm_head().weight  # (V, H)
-            layer.self_attn.o_proj.weight.copy_(torch.linalg.lstsq(x @ project, rows).solution.T * 1e4)
-    if vh:  # a head whose probabilities differ across slots and rounds
-        with torch.no_grad():
-            draft.verification_head.weight.normal_(0, 0.3)
-    return draft
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +43,7 @@ def test_block_decoding_at_t0_is_the_targets_greedy_decode(random_targets):
     accepted: list[int] = []
     for model, target, prompts in random_targets:
         for rigged in (True, False):
-            draft = make_draft(model, target, rigged=rigged)
+            draft = make_dflash_draft(model, target, rigged=rigged)
             engine = SpeculativeEngine(target, draft, max_new_tokens=NEW_TOKENS)
             assert engine.mode == "block"
             for prompt in prompts:
@@ -100,7 +62,7 @@ def test_block_decoding_at_t0_is_the_targets_greedy_decode(random_targets):
 def test_vh_threshold_truncates_blocks_and_stays_lossless(random_targets):
     model, target, prompts = random_targets[1]
     prompt = prompts[1]
-    draft = make_draft(model, target, rigged=False, vh=True)
+    draft = make_dflash_draft(model, target, rigged=False, vh=True)
     seen: list[torch.Tensor] = []  # the head's probabilities in a run without a threshold
     plain = draft.draft_block
     draft.draft_block = lambda *a, **k: seen.append(torch.sigmoid((out := plain(*a, **k)).vh_logits)) or out
@@ -123,7 +85,7 @@ def tiny_vocab_setup():
     with torch.no_grad():  # flatten the random target so every token has real mass
         model.lm_head.weight.mul_(0.3)
     target = load_target(model, device="cpu")
-    draft = make_draft(model, target, rigged=False, block_size=3)
+    draft = make_dflash_draft(model, target, rigged=False, block_size=3)
     with torch.no_grad():  # a draft sharper than the flattened target: rejections as well as acceptances
         draft.norm.weight.mul_(6.0)
     prompt = [3, 5, 7, 4]

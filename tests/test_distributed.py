@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from test_trainer import _metrics, _overrides, spec_bench_file_module, workspace  # noqa: F401  (module fixtures)
+from helpers import read_metrics, train_overrides
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_probe.py")
 # a schedule that moves every step (warmup 2, cosine 2), the union term in the gradient on a sample of 8 anchors per
@@ -39,7 +39,7 @@ def _torchrun(nproc: int, grads: str, overrides: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(workspace, tmp_path_factory):  # noqa: F811
+def runs(train_workspace, tmp_path_factory):
     """Four runs of the same 4 steps: 2 processes killed after step 2 then resumed with 2 (``two``), 1 process with
     grad_accum=2 uninterrupted (``one``), and the 2-process checkpoint resumed with 1 process (``two_then_one``)."""
     from dist_probe import run
@@ -48,7 +48,7 @@ def runs(workspace, tmp_path_factory):  # noqa: F811
     paths = {name: str(root / name) for name in ("two", "one", "two_then_one")}
 
     def ovr(name, *extra):
-        return [*_overrides(workspace, paths[name]), *COMMON, *extra]
+        return [*train_overrides(train_workspace, paths[name]), *COMMON, *extra]
 
     _torchrun(2, str(root / "g_two"), ovr("two", "train.stop_after=2"))
     shutil.copytree(paths["two"], paths["two_then_one"])
@@ -93,7 +93,7 @@ def _affinity(path, where):
 def test_two_process_lr_schedule_equals_one_process(runs):
     """accelerate's prepared scheduler stepped num_processes times per optimizer step: warmup and cosine ended
     halfway with 2 processes. Stepped once per optimizer step, the schedule is the world-size-free one."""
-    two, one = _metrics(runs["two"]), _metrics(runs["one"])
+    two, one = read_metrics(runs["two"]), read_metrics(runs["one"])
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
     assert [r["lr"] for r in two] == pytest.approx([r["lr"] for r in one], rel=1e-12)
     lr = [r["lr"] for r in one]
@@ -101,7 +101,7 @@ def test_two_process_lr_schedule_equals_one_process(runs):
 
 
 def test_two_process_loss_and_gradient_equal_one_process_on_the_same_global_batch(runs):
-    two, one = _metrics(runs["two"]), _metrics(runs["one"])
+    two, one = read_metrics(runs["two"]), read_metrics(runs["one"])
     for a, b in zip(two, one):
         for key in COMPARED:
             _same(a, b, key)
@@ -120,7 +120,7 @@ def test_two_process_checkpoint_resumes_in_one_and_in_two_processes(runs):
     state = torch.load(os.path.join(runs["two_then_one"], "checkpoints", "step_2", "trainer_state.pt"),
                        weights_only=False)
     assert state["world_size"] == 2 and len(state["rng"]) == 2
-    one, resumed = _metrics(runs["one"]), _metrics(runs["two_then_one"])
+    one, resumed = read_metrics(runs["one"]), read_metrics(runs["two_then_one"])
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(resumed[2:], one[2:]):
         for key in (*COMPARED, "lr", "epoch"):
@@ -195,19 +195,19 @@ def test_resume_position_counts_global_batches():
 
 
 @pytest.mark.gpu
-def test_fsdp2_training_through_accelerate_on_gpu(workspace, tmp_path):  # noqa: F811
+def test_fsdp2_training_through_accelerate_on_gpu(train_workspace, tmp_path):
     """`train.fsdp=true`: FSDP2 through accelerate's plugin. Accelerate shards only on accelerators (CPU processes
     run MULTI_CPU/DDP), so this runs where there is a GPU; on CPU the key is refused in one line."""
     out = str(tmp_path / "fsdp")
-    overrides = [*_overrides(workspace, out), *COMMON, "train.fsdp=true", "train.mixed_precision=no"]
+    overrides = [*train_overrides(train_workspace, out), *COMMON, "train.fsdp=true", "train.mixed_precision=no"]
     _torchrun(min(torch.cuda.device_count(), 2), str(tmp_path / "g"), overrides)
-    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     state = torch.load(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"), weights_only=False)
     assert state["sharded"] == (torch.cuda.device_count() >= 2) and "fc.weight" in state["drafter"]  # full tensors
     assert json.load(open(os.path.join(out, "final", "config.json")))["vat_format"] == "eagle3"
 
 
-def test_fsdp_is_refused_on_cpu_in_one_line(workspace, tmp_path):  # noqa: F811
+def test_fsdp_is_refused_on_cpu_in_one_line(train_workspace, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("GPU machine: FSDP2 is available")
     from vat.config import load_config
@@ -215,7 +215,7 @@ def test_fsdp_is_refused_on_cpu_in_one_line(workspace, tmp_path):  # noqa: F811
     from vat.trainer import main as train_main
 
     with pytest.raises(VatError, match=r"^train.fsdp needs GPUs"):
-        train_main(load_config(None, [*_overrides(workspace, str(tmp_path / "x")), "train.fsdp=true"]))
+        train_main(load_config(None, [*train_overrides(train_workspace, str(tmp_path / "x")), "train.fsdp=true"]))
 
 
 def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -296,15 +296,15 @@ def test_fsdp2_full_state_dicts_gather_resume_and_merge_with_real_gloo(tmp_path)
                                state["midlayer.self_attn.q_proj.base_layer.weight"] + 2.0 * b @ a)
 
 
-def test_a_nan_on_one_rank_is_skipped_by_both_without_a_hang(workspace, tmp_path):  # noqa: F811
+def test_a_nan_on_one_rank_is_skipped_by_both_without_a_hang(train_workspace, tmp_path):
     """Rank 1 alone sees a NaN loss at step 2: both ranks agree to skip it (an all-reduced flag), so neither waits in a
     gradient all-reduce the other never joins; the run ends (a hang would hit the timeout) with step 2 unlogged."""
     out = str(tmp_path / "nan")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", PROBE,
-           str(tmp_path / "g"), *_overrides(workspace, out), *COMMON]
+           str(tmp_path / "g"), *train_overrides(train_workspace, out), *COMMON]
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false",
                VAT_PROBE_NAN="1,2")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    records = _metrics(out)
+    records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 3, 4] and records[-1]["nonfinite_skipped"] == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import HT, VD, H, V, eagle3_batch, eagle3_config, eagle3_vocab_mapping, random_eagle3
 from safetensors.torch import save_file
 
 from vat.drafters.eagle3 import (
@@ -26,57 +27,6 @@ from vat.drafters.eagle3 import (
 )
 from vat.errors import VatError
 
-V, VD, H, HT = 128, 64, 64, 48
-
-
-def tiny_config(**overrides) -> Eagle3Config:
-    values = dict(
-        hidden_size=H,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        target_hidden_size=HT,
-        vocab_size=V,
-        draft_vocab_size=VD,
-        aux_layer_ids=[1, 3, 4],
-        num_target_layers=8,
-        ttt_steps=3,
-        rope_theta=10000.0,
-    )
-    values.update(overrides)
-    return Eagle3Config(**values)
-
-
-def random_mapping(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    used = torch.sort(torch.randperm(V, generator=g)[:VD]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[used] = True
-    return used - torch.arange(VD), t2d
-
-
-def make_model(cfg: Eagle3Config, seed: int = 0) -> Eagle3Drafter:
-    """Random weights (norm weights too, so every norm placement matters) and a non-identity vocab mapping."""
-    g = torch.Generator().manual_seed(seed)
-    model = Eagle3Drafter(cfg, torch.randn(V, H, generator=g))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            else:  # ~ unit-variance activations, as in a trained layer
-                scale = p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1
-                p.copy_(scale * torch.randn(p.shape, generator=g))
-    model.set_vocab_mapping(*random_mapping(seed))
-    return model.eval()
-
-
-def batch(B: int = 2, T: int = 12, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    aux = torch.randn(B, T, 3 * HT, generator=g)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    return aux, ids
-
-
 FLAGS = [
     dict(),
     dict(norm_before_residual=True, fc_norm=True, verification_head=True),
@@ -93,9 +43,9 @@ FLAGS = [
 
 @pytest.mark.parametrize("flags", FLAGS, ids=["default", "nbr_fcnorm_vh", "nbfc_mha_vh", "vh_prenorm", "normout_swa"])
 def test_ttt_forward_matches_per_position_reference_with_padding(flags):
-    cfg = tiny_config(**flags)
-    model = make_model(cfg)
-    aux, ids = batch(B=3, T=10)
+    cfg = eagle3_config(**flags)
+    model = random_eagle3(cfg)
+    aux, ids = eagle3_batch(B=3, T=10)
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[0, 7:] = 0  # right padding
     mask[1, 2] = 0  # a hole inside the prefix
@@ -118,8 +68,8 @@ def test_ttt_forward_matches_per_position_reference_with_padding(flags):
 
 def test_ttt_step_sees_only_its_prefix_and_teacher_forced_tokens():
     """logits[:, t, k] depends on aux_{<=t} and tokens_{<=t+1+k} only, and ignores padded keys."""
-    model = make_model(tiny_config(ttt_steps=4))
-    aux, ids = batch(B=1, T=12)
+    model = random_eagle3(eagle3_config(ttt_steps=4))
+    aux, ids = eagle3_batch(B=1, T=12)
     t = 5
     with torch.no_grad():
         base = model.ttt_forward(aux, ids).logits
@@ -145,8 +95,8 @@ def test_ttt_step_sees_only_its_prefix_and_teacher_forced_tokens():
 
 def test_ttt_recurrence_feeds_prenorm_hidden():
     """Step k+1 is a function of the step-k pre-norm hidden: recomputing it by hand from out.hidden matches."""
-    model = make_model(tiny_config(ttt_steps=2))
-    aux, ids = batch(B=1, T=4)
+    model = random_eagle3(eagle3_config(ttt_steps=2))
+    aux, ids = eagle3_batch(B=1, T=4)
     with torch.no_grad():
         out = model.ttt_forward(aux, ids)
         t = 0  # anchor 0: only key (0,0) from the prefix and its own step-1 key
@@ -158,8 +108,8 @@ def test_ttt_recurrence_feeds_prenorm_hidden():
 
 
 def test_ttt_backward_reaches_trainable_weights_not_embedding():
-    model = make_model(tiny_config(verification_head=True)).train()
-    aux, ids = batch(B=1, T=6)
+    model = random_eagle3(eagle3_config(verification_head=True)).train()
+    aux, ids = eagle3_batch(B=1, T=6)
     out = model.ttt_forward(aux, ids)
     (out.logits.square().mean() + out.vh_logits.mean()).backward()
     assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
@@ -177,8 +127,8 @@ def test_ttt_backward_reaches_trainable_weights_not_embedding():
 
 
 def test_forward_without_embedding_is_a_clear_error():
-    model = Eagle3Drafter(tiny_config())
-    aux, ids = batch(B=1, T=4)
+    model = Eagle3Drafter(eagle3_config())
+    aux, ids = eagle3_batch(B=1, T=4)
     with pytest.raises(VatError, match="set_embedding"):
         model.ttt_forward(aux, ids)
     with pytest.raises(VatError, match="shape"):
@@ -197,8 +147,8 @@ def test_forward_without_embedding_is_a_clear_error():
 )
 def test_draft_chain_matches_ttt_teacher_forced_on_drafted_tokens(flags):
     K = 4
-    model = make_model(tiny_config(ttt_steps=K, **flags))
-    aux, ids = batch(B=2, T=14)
+    model = random_eagle3(eagle3_config(ttt_steps=K, **flags))
+    aux, ids = eagle3_batch(B=2, T=14)
     n = 8  # prompt x_0..x_{n-1}, bonus x_n: anchor t = n - 1
     cache = model.new_cache(2)
     model.step(cache, ids[:, 1:4], aux_hidden=aux[:, :3])  # extend in two chunks
@@ -224,8 +174,8 @@ def t2d_ok(token_ids: torch.Tensor, t2d: torch.Tensor) -> bool:
 
 def test_ragged_extend_equals_separate_rows_and_crop_restores_state():
     K = 3
-    model = make_model(tiny_config(ttt_steps=K))
-    aux, ids = batch(B=2, T=12)
+    model = random_eagle3(eagle3_config(ttt_steps=K))
+    aux, ids = eagle3_batch(B=2, T=12)
     lengths = [7, 4]
     # batched: one extend of 7 entries, row 1 padded after 4
     cache = model.new_cache(2)
@@ -249,8 +199,8 @@ def test_ragged_extend_equals_separate_rows_and_crop_restores_state():
 
 
 def test_sampled_chain_uses_tempered_distribution():
-    model = make_model(tiny_config())
-    aux, ids = batch(B=2, T=6)
+    model = random_eagle3(eagle3_config())
+    aux, ids = eagle3_batch(B=2, T=6)
     gen = torch.Generator().manual_seed(0)
     draft = model.draft_chain(model.new_cache(2), aux, ids, 3, temperature=0.7, generator=gen)
     torch.testing.assert_close(draft.probs, torch.softmax(draft.logits / 0.7, -1), atol=1e-6, rtol=0)
@@ -264,7 +214,7 @@ def test_sampled_chain_uses_tempered_distribution():
 
 
 def test_vocab_helpers_against_brute_force(tmp_path):
-    d2t, t2d = random_mapping(3)
+    d2t, t2d = eagle3_vocab_mapping(3)
     used = torch.nonzero(t2d).flatten()
     draft_ids = torch.randint(0, VD, (4, 5))
     assert torch.equal(map_draft_to_target(draft_ids, d2t), used[draft_ids])
@@ -289,14 +239,14 @@ def test_vocab_helpers_against_brute_force(tmp_path):
 
 
 def test_vocab_mapping_validation():
-    d2t, t2d = random_mapping(0)
+    d2t, t2d = eagle3_vocab_mapping(0)
     validate_vocab_mapping(d2t, t2d, V, VD)
     with pytest.raises(VatError, match="disagree"):
         validate_vocab_mapping(torch.zeros(VD, dtype=torch.long), t2d, V, VD)
     with pytest.raises(VatError, match="shape"):
         validate_vocab_mapping(d2t[:-1], t2d, V, VD)
     with pytest.raises(VatError, match="disagree"):
-        make_model(tiny_config()).set_vocab_mapping(d2t, ~t2d & (torch.arange(V) < 2 * VD))
+        random_eagle3(eagle3_config()).set_vocab_mapping(d2t, ~t2d & (torch.arange(V) < 2 * VD))
 
 
 def test_shift_and_valid_mask_brute_force():
@@ -322,23 +272,23 @@ def test_shift_and_valid_mask_brute_force():
 
 
 def test_config_round_trip_and_errors():
-    cfg = tiny_config(norm_before_residual=True, verification_head=True, target_path="/t")
+    cfg = eagle3_config(norm_before_residual=True, verification_head=True, target_path="/t")
     assert Eagle3Config.from_dict(cfg.to_dict()) == cfg
-    assert cfg.head_dim == 16 and tiny_config(target_hidden_size=None).target_hidden_size == H
+    assert cfg.head_dim == 16 and eagle3_config(target_hidden_size=None).target_hidden_size == H
     with pytest.raises(VatError, match="did you mean 'draft_vocab_size'"):
         Eagle3Config.from_dict({**cfg.to_dict(), "draft_vocab_sz": 3})
     with pytest.raises(VatError, match="mutually exclusive"):
-        tiny_config(norm_before_fc=True, fc_norm=True)
+        eagle3_config(norm_before_fc=True, fc_norm=True)
     with pytest.raises(VatError, match="exactly 3"):
-        tiny_config(aux_layer_ids=[1, 2])
+        eagle3_config(aux_layer_ids=[1, 2])
     with pytest.raises(VatError, match="multiple"):
-        tiny_config(num_key_value_heads=3)
-    assert tiny_config(aux_layer_ids=None, num_target_layers=32).aux_layer_ids == [1, 15, 28]
+        eagle3_config(num_key_value_heads=3)
+    assert eagle3_config(aux_layer_ids=None, num_target_layers=32).aux_layer_ids == [1, 15, 28]
     assert default_aux_layer_ids(2) == [1, 0, 0]
 
 
 def test_config_for_target_from_transformers_config():
-    from tests.tiny_models import tiny_config as tiny_target_config
+    from tiny_models import tiny_config as tiny_target_config
 
     olmoe = tiny_target_config("olmoe", num_layers=8)
     cfg = Eagle3Config.for_target(olmoe, draft_vocab_size=VD)
@@ -351,7 +301,7 @@ def test_config_for_target_from_transformers_config():
 
 
 def test_check_draft_matches_target():
-    cfg = tiny_config(target_path="/targets/olmoe")
+    cfg = eagle3_config(target_path="/targets/olmoe")
     assert check_draft_matches_target(cfg, HT, V, 8) == [1, 3, 4]
     cases = [
         ((H, V, 8), "hidden size 48, this target has 64"),
@@ -363,16 +313,17 @@ def test_check_draft_matches_target():
             check_draft_matches_target(cfg, *args)
         assert "\n" not in str(err.value) and "/targets/olmoe" in str(err.value)
     with pytest.raises(VatError, match=r"out of range for a 4-layer target: \[4\]"):
-        check_draft_matches_target(tiny_config(num_target_layers=None), HT, V, 4)
-    assert check_draft_matches_target(tiny_config(aux_layer_ids=None, num_target_layers=None), HT, V, 32) == [1, 15, 28]
+        check_draft_matches_target(eagle3_config(num_target_layers=None), HT, V, 4)
+    unset = eagle3_config(aux_layer_ids=None, num_target_layers=None)
+    assert check_draft_matches_target(unset, HT, V, 32) == [1, 15, 28]
 
 
 def test_detached_verification_head_trains_the_head_only():
     """``loss.vh_detach``: the VH's BCE reaches the head's weights and nothing of the draft body."""
     import torch.nn.functional as F
 
-    model = make_model(tiny_config(verification_head=True)).train()
-    aux, ids = batch()
+    model = random_eagle3(eagle3_config(verification_head=True)).train()
+    aux, ids = eagle3_batch()
     out = model.ttt_forward(aux, ids, ttt_steps=3)
     torch.testing.assert_close(model.verification_logits(out.hidden), out.vh_logits)
     for detach in (False, True):  # the trainer's path: the TTT forward with vh_detach
@@ -384,7 +335,7 @@ def test_detached_verification_head_trains_the_head_only():
         body = model.fc.weight.grad
         assert (body is None) == detach, detach
     with pytest.raises(VatError, match="no verification head"):
-        make_model(tiny_config()).verification_logits(out.hidden)
+        random_eagle3(eagle3_config()).verification_logits(out.hidden)
 
 
 def test_verification_head_starts_at_the_prior_and_sends_no_gradient_into_the_body():
@@ -394,10 +345,10 @@ def test_verification_head_starts_at_the_prior_and_sends_no_gradient_into_the_bo
     import torch.nn.functional as F
 
     for vh_input in ("normed", "prenorm"):
-        model = Eagle3Drafter(tiny_config(verification_head=True, vh_input=vh_input), torch.randn(V, H)).train()
+        model = Eagle3Drafter(eagle3_config(verification_head=True, vh_input=vh_input), torch.randn(V, H)).train()
         assert model.verification_head.weight.abs().max() == 0
         assert model.verification_head.bias.item() == pytest.approx(math.log(0.2 / 0.8))
-        aux, ids = batch()
+        aux, ids = eagle3_batch()
         vh = model.ttt_forward(aux, ids, ttt_steps=3).vh_logits
         torch.testing.assert_close(torch.sigmoid(vh), torch.full_like(vh, 0.2))
         F.binary_cross_entropy_with_logits(vh, torch.randint(0, 2, vh.shape).float()).backward()
@@ -408,7 +359,7 @@ def test_verification_head_starts_at_the_prior_and_sends_no_gradient_into_the_bo
 
 
 def test_verification_head_reads_what_the_lm_head_reads():
-    model = make_model(tiny_config(verification_head=True))
+    model = random_eagle3(eagle3_config(verification_head=True))
     hidden = torch.randn(2, 5, H) * 7.0
     with torch.no_grad():
         expect = model.verification_head(model.norm(hidden)).squeeze(-1)
@@ -418,9 +369,9 @@ def test_verification_head_reads_what_the_lm_head_reads():
 
 
 def test_checkpoints_from_before_vh_input_load_as_prenorm():
-    data = tiny_config(verification_head=True).to_dict()
+    data = eagle3_config(verification_head=True).to_dict()
     assert data["vh_input"] == "normed"
     del data["vh_input"]  # a config.json written before the key existed
     assert Eagle3Config.from_dict(data).vh_input == "prenorm"
     with pytest.raises(VatError, match="vh_input"):
-        tiny_config(vh_input="residual")
+        eagle3_config(vh_input="residual")

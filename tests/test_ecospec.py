@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eval_engine import greedy_reference, make_draft
-from tiny_models import tiny_model
+from helpers import make_eagle3_draft
+from tiny_models import cached_greedy_reference, tiny_model
 from vat.data_prep.affinity import affinity_from_routing
 
 from vat.errors import VatError
@@ -20,19 +20,17 @@ NEW_TOKENS = 24
 TREES = [TreeSpec(2, 3, 5), TreeSpec(4, 4, 12), TreeSpec(3, 6, 20)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def setup():
     model = tiny_model("olmoe", seed=2)
     target = load_target(model, device="cpu")
-    drafts = {"random": make_draft(model, target, rigged=False), "rigged": make_draft(model, target, rigged=True)}
+    drafts = {
+        "random": make_eagle3_draft(model, target, rigged=False),
+        "rigged": make_eagle3_draft(model, target, rigged=True),
+    }
     gen = torch.Generator().manual_seed(1234)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 11, 17)]
     # the expert predictor: an affinity table of the target's own routing over random text (`vat prep affinity`'s
@@ -107,7 +105,7 @@ def test_ecospec_greedy_decoding_is_lossless(setup, lam):
                 engine = SpeculativeEngine(target, draft, tree=tree, ecospec=EcoSpec(predictor, lam=lam),
                                            max_new_tokens=NEW_TOKENS)
                 gen = engine.generate(prompt)
-                assert gen.token_ids == greedy_reference(model, prompt, NEW_TOKENS), (name, tree, prompt)
+                assert gen.token_ids == cached_greedy_reference(model, prompt, NEW_TOKENS), (name, tree, prompt)
                 accepted += sum(r.accepted for r in gen.rounds)
     assert accepted > 0
 

@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from tiny_models import save_tiny_target
 
 from vat.cli import main as cli_main
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -22,30 +21,11 @@ METRIC_KEYS = {
 PLOTS = ("tau_by_benchmark.png", "accept_by_position.png", "union_vs_tau.png")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A saved tiny OLMoE target (with tokenizer) and a random EAGLE-3 draft saved by vat's checkpoint writer."""
-    from transformers import AutoConfig
-
-    root = tmp_path_factory.mktemp("eval")
-    target_dir = save_tiny_target(str(root / "target"), "olmoe")
-    config = AutoConfig.from_pretrained(target_dir)
-    cfg = Eagle3Config.for_target(config, draft_vocab_size=config.vocab_size, target_path=target_dir)
-    torch.manual_seed(0)
-    draft_dir = save_draft(Eagle3Drafter(cfg), cfg, str(root / "run" / "final"))
-    return root, target_dir, draft_dir
-
-
-def test_cli_smoke_writes_every_output(saved, spec_bench_file):
-    root, target_dir, draft_dir = saved
+def test_cli_smoke_writes_every_output(saved_target_and_draft, spec_bench_file):
+    root, target_dir, draft_dir = saved_target_and_draft
     out = str(root / "out")
     rc = cli_main([
         "eval", "--target", target_dir, "--draft", draft_dir, "--draft", "none", "--benchmark", spec_bench_file,
@@ -109,8 +89,8 @@ def test_cli_smoke_writes_every_output(saved, spec_bench_file):
     assert (example["answer"][:50] if "```" not in example["answer"] else "```text") in report
 
 
-def test_run_eval_finds_the_target_from_the_draft(saved, spec_bench_file):
-    _, target_dir, draft_dir = saved
+def test_run_eval_finds_the_target_from_the_draft(saved_target_and_draft, spec_bench_file):
+    _, target_dir, draft_dir = saved_target_and_draft
     ev = run_eval(drafts=[draft_dir], benchmarks=[spec_bench_file], limit=1, max_new_tokens=4, steps=3,
                   tree="2,2,3", progress=False)
     assert ev["target"] == target_dir and ev["settings"]["tree"] == {"top_k": 2, "depth": 2, "total_tokens": 3}
@@ -123,8 +103,8 @@ def test_run_eval_finds_the_target_from_the_draft(saved, spec_bench_file):
     (["--tree", "4,4"], "--tree"),
     (["--vh-threshold", "0.5"], "verification head"),
 ])
-def test_user_errors_are_one_line(saved, spec_bench_file, capsys, flags, message):
-    root, target_dir, draft_dir = saved
+def test_user_errors_are_one_line(saved_target_and_draft, spec_bench_file, capsys, flags, message):
+    root, target_dir, draft_dir = saved_target_and_draft
     rc = cli_main(["eval", "--target", target_dir, "--draft", draft_dir, "--benchmark", spec_bench_file,
                    "--limit", "1", "--output", str(root / "bad"), *flags])
     last = capsys.readouterr().err.strip().splitlines()[-1]  # earlier lines: transformers' loading bars
@@ -134,12 +114,12 @@ def test_user_errors_are_one_line(saved, spec_bench_file, capsys, flags, message
 # ---- the n-gram draft and the per-prompt counts ------------------------------------------------------------------
 
 
-def test_ngram_cli_on_tiny_target_needs_no_trained_draft(saved, spec_bench_file, monkeypatch):
+def test_ngram_cli_on_tiny_target_needs_no_trained_draft(saved_target_and_draft, spec_bench_file, monkeypatch):
     """`--target tiny --draft ngram`: the embedded target's name resolves as for any command (the build itself is
     stubbed with the saved tiny target: no training in unit tests)."""
     import vat.data_prep.tiny_target as tiny
 
-    root, target_dir, _ = saved
+    root, target_dir, _ = saved_target_and_draft
     monkeypatch.setattr(tiny, "ensure_tiny_target", lambda size="full": target_dir)
     out = str(root / "ngram_out")
     rc = cli_main([
@@ -173,8 +153,8 @@ def test_ngram_cli_on_tiny_target_needs_no_trained_draft(saved, spec_bench_file,
     ([], "--draft ngram needs --target"),
     (["--target", "TARGET", "--ngram-n", "2", "--ngram-min", "3"], "--ngram-min"),
 ])
-def test_ngram_user_errors_are_one_line(saved, spec_bench_file, capsys, flags, message):
-    root, target_dir, _ = saved
+def test_ngram_user_errors_are_one_line(saved_target_and_draft, spec_bench_file, capsys, flags, message):
+    root, target_dir, _ = saved_target_and_draft
     flags = [target_dir if f == "TARGET" else f for f in flags]
     rc = cli_main(["eval", "--draft", "ngram", "--benchmark", spec_bench_file, "--limit", "1",
                    "--output", str(root / "bad_ngram"), *flags])
@@ -182,8 +162,8 @@ def test_ngram_user_errors_are_one_line(saved, spec_bench_file, capsys, flags, m
     assert rc == 2 and last.startswith("vat: error:") and message in last
 
 
-def test_per_prompt_counts_pair_and_reproduce_tau(saved, spec_bench_file):
-    root, target_dir, draft_dir = saved
+def test_per_prompt_counts_pair_and_reproduce_tau(saved_target_and_draft, spec_bench_file):
+    root, target_dir, draft_dir = saved_target_and_draft
     out = str(root / "per_prompt")
     ev = run_eval(target=target_dir, drafts=[("ngram", "ngram"), draft_dir, "none"], benchmarks=[spec_bench_file],
                   limit=3, max_new_tokens=10, steps=3, budgets="none,2", output=out, progress=False, plots=False)
@@ -281,8 +261,8 @@ def test_triton_kernel_decodes_like_grouped_mm_under_a_budget(tmp_path, spec_ben
     assert ev_g["results"]["run/final"]["4"][bench]["union_per_round"]["max"] == 4  # cut to B
 
 
-def test_target_loading_flags_reach_the_loader(saved, spec_bench_file):
-    root, target_dir, draft_dir = saved
+def test_target_loading_flags_reach_the_loader(saved_target_and_draft, spec_bench_file):
+    root, target_dir, draft_dir = saved_target_and_draft
     out = str(root / "eager")
     rc = cli_main(["eval", "--target", target_dir, "--draft", draft_dir, "--benchmark", spec_bench_file, "--limit", "1",
                    "--max-new-tokens", "4", "--budget", "2", "--experts-impl", "eager", "--dtype", "bfloat16",
@@ -293,8 +273,8 @@ def test_target_loading_flags_reach_the_loader(saved, spec_bench_file):
     assert ev["target_info"]["device_map"] is None
 
 
-def test_bad_experts_impl_is_a_usage_error(saved, spec_bench_file, capsys):
-    root, target_dir, _ = saved
+def test_bad_experts_impl_is_a_usage_error(saved_target_and_draft, spec_bench_file, capsys):
+    root, target_dir, _ = saved_target_and_draft
     with pytest.raises(SystemExit):
         cli_main(["eval", "--target", target_dir, "--benchmark", spec_bench_file, "--experts-impl", "fast",
                   "--output", str(root / "bad_impl")])

@@ -8,23 +8,15 @@ import json
 import os
 
 import pytest
-import torch
-from test_eval_cli import saved  # noqa: F401  (module fixture: a saved tiny target and draft)
 
 from vat.cli import main as cli_main
 from vat.eval.run import run_eval
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_cost_model_and_evict_in_eval_json(saved, spec_bench_file):  # noqa: F811
-    root, target_dir, draft_dir = saved
+def test_cost_model_and_evict_in_eval_json(saved_target_and_draft, spec_bench_file):
+    root, target_dir, draft_dir = saved_target_and_draft
     out = str(root / "cost")
     result = run_eval(target=target_dir, drafts=[draft_dir, "ngram"], benchmarks=[spec_bench_file], limit=2,
                       max_new_tokens=12, steps=4, tree_policy="evict", cost_model="a100", output=out,
@@ -65,16 +57,16 @@ def test_cost_model_and_evict_in_eval_json(saved, spec_bench_file):  # noqa: F81
     (["--tree-policy", "evict", "--verify-cost", "nowhere.json"],
      "--verify-cost nowhere.json: no such file (write it with `vat profile --verify-widths ...`)"),
 ])
-def test_cost_flags_user_errors_are_one_line(saved, spec_bench_file, capsys, flags, message):  # noqa: F811
-    root, target_dir, draft_dir = saved
+def test_cost_flags_user_errors_are_one_line(saved_target_and_draft, spec_bench_file, capsys, flags, message):
+    root, target_dir, draft_dir = saved_target_and_draft
     rc = cli_main(["eval", "--target", target_dir, "--draft", draft_dir, "--benchmark", spec_bench_file, "--limit", "1",
                    "--max-new-tokens", "4", "--output", str(root / "bad"), *flags])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err == f"vat: error: {message}"
 
 
-def test_profile_writes_the_verify_cost_table_evict_reads(saved, spec_bench_file):  # noqa: F811
-    root, target_dir, draft_dir = saved
+def test_profile_writes_the_verify_cost_table_evict_reads(saved_target_and_draft, spec_bench_file):
+    root, target_dir, draft_dir = saved_target_and_draft
     prof = str(root / "profile")
     assert cli_main(["profile", "--target", target_dir, "--benchmark", spec_bench_file, "--limit", "2",
                      "--verify-widths", "1,2,4", "--new-tokens", "8", "--cost-model", "l40s", "--output", prof]) == 0

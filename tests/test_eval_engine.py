@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import greedy_reference as plain_greedy
-from tiny_models import tiny_model
+from helpers import make_eagle3_draft
+from tiny_models import cached_greedy_reference, tiny_model
 
-from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from vat.eval.engine import SpeculativeEngine
 from vat.eval.tree import DraftTree, TreeSpec, _Node, _select
 from vat.target import load_target
@@ -25,61 +24,21 @@ MODES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared machine: one intra-op thread is several times faster than oversubscribed threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def make_draft(model, target, *, rigged: bool, vh: bool = False, seed: int = 0) -> Eagle3Drafter:
-    """A random draft, or one rigged to often agree with the target.
-
-    The rigged draft reads the target's last-layer output (aux slot 0 = layer 1 of a 2-layer target) through an
-    identity ``fc``, adds nothing in its decoder layer (zero ``o_proj`` / ``down_proj``) and reuses the target's final
-    norm and LM head: it proposes the target's previous prediction again (the root, repeated), which random tiny
-    targets often do -- and often do not, so both accept and reject paths run.
-    """
-    torch.manual_seed(seed)
-    cfg = Eagle3Config.for_target(
-        model.config, draft_vocab_size=model.config.vocab_size, aux_layer_ids=target.aux_layer_ids,
-        verification_head=vh,
-    )
-    draft = Eagle3Drafter(cfg, target.embed_tokens().weight).eval()
-    if rigged:
-        hidden = cfg.hidden_size
-        with torch.no_grad():
-            draft.fc.weight.zero_()
-            draft.fc.weight[:, :hidden] = torch.eye(hidden)
-            draft.midlayer.self_attn.o_proj.weight.zero_()
-            draft.midlayer.mlp.down_proj.weight.zero_()
-            draft.norm.weight.copy_(model.model.norm.weight)
-            draft.lm_head.weight.copy_(model.lm_head.weight)
-    return draft
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def setup():
     model = tiny_model("olmoe", seed=2)
     target = load_target(model, device="cpu")
-    drafts = {"random": make_draft(model, target, rigged=False), "rigged": make_draft(model, target, rigged=True)}
+    drafts = {
+        "random": make_eagle3_draft(model, target, rigged=False),
+        "rigged": make_eagle3_draft(model, target, rigged=True),
+    }
     gen = torch.Generator().manual_seed(1234)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 11, 17)]
     yield model, target, drafts, prompts
     target.close()
-
-
-_REFERENCE: dict[tuple, list[int]] = {}
-
-
-def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    """The target's own greedy decode: a plain loop of full forwards, no cache, no hooks of the engine."""
-    key = (id(model), tuple(prompt), n)
-    if key not in _REFERENCE:
-        _REFERENCE[key] = plain_greedy(model, prompt, n)
-    return _REFERENCE[key]
 
 
 def engine_for(target, draft, mode, steps, tree, **kw) -> SpeculativeEngine:
@@ -90,7 +49,7 @@ def test_autoregressive_baseline_is_the_greedy_decode(setup):
     model, target, _, prompts = setup
     engine = SpeculativeEngine(target, None, max_new_tokens=NEW_TOKENS)
     gen = engine.generate(prompts[1])
-    assert gen.token_ids == greedy_reference(model, prompts[1], NEW_TOKENS)
+    assert gen.token_ids == cached_greedy_reference(model, prompts[1], NEW_TOKENS)
     assert len(gen.rounds) == NEW_TOKENS - 1 and gen.target_forwards == NEW_TOKENS
     assert all(r.union == [target.top_k] * len(target.moe_layer_ids) for r in gen.rounds)
 
@@ -104,7 +63,7 @@ def test_greedy_speculative_decoding_is_lossless(setup, mode, steps, tree):
             engine = engine_for(target, draft, mode, steps, tree)
             assert engine.mode == mode
             gen = engine.generate(prompt)
-            assert gen.token_ids == greedy_reference(model, prompt, NEW_TOKENS), (name, prompt)
+            assert gen.token_ids == cached_greedy_reference(model, prompt, NEW_TOKENS), (name, prompt)
             assert sum(r.committed for r in gen.rounds) == NEW_TOKENS - 1
             for r in gen.rounds:
                 assert 0 <= r.accepted <= r.depth and r.reached <= r.depth
@@ -117,7 +76,7 @@ def test_greedy_speculative_decoding_is_lossless(setup, mode, steps, tree):
 
 def test_lossless_with_eos_and_budget_above_union(setup):
     model, target, drafts, prompts = setup
-    reference = greedy_reference(model, prompts[2], NEW_TOKENS)
+    reference = cached_greedy_reference(model, prompts[2], NEW_TOKENS)
     eos = reference[10]
     stop = reference.index(eos) + 1
     for tree in (None, TreeSpec(3, 4, 10)):
@@ -164,8 +123,8 @@ def test_budget_caps_the_union_of_every_verification_round(setup, policy, tree):
 
 def test_verification_head_threshold_stops_drafting(setup):
     model, target, _, prompts = setup
-    draft = make_draft(model, target, rigged=True, vh=True)
-    reference = greedy_reference(model, prompts[0], NEW_TOKENS)
+    draft = make_eagle3_draft(model, target, rigged=True, vh=True)
+    reference = cached_greedy_reference(model, prompts[0], NEW_TOKENS)
     for bias, expect_drafted in ((-30.0, 0), (30.0, 4)):
         with torch.no_grad():
             draft.verification_head.weight.zero_()

@@ -11,20 +11,14 @@ import os
 import pytest
 import torch
 from chosen_prompts import choose_prompts
-from test_eval_engine import make_draft
+from helpers import make_eagle3_draft
 
 from vat.errors import VatError
 from vat.eval.commitment import load_commitment
 from vat.eval.quality import response_kl
 from vat.eval.run import parse_budgets, run_eval
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +28,7 @@ def quick():
 
     path = resolve_target_path("tiny-quick")
     target = load_target(path, dtype="float32", device="cpu", experts_impl="eager")
-    return path, target, make_draft(target.model, target, rigged=True)
+    return path, target, make_eagle3_draft(target.model, target, rigged=True)
 
 
 def test_parse_budgets_takes_auto():

@@ -18,13 +18,7 @@ from vat.eval.quality import (
     summarize_quality,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_agreement_and_first_divergence_by_hand():

@@ -3,10 +3,9 @@ Monte-Carlo checks of the samplers themselves, and a chi-square test of whole T 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from helpers import chi_square, chi_square_critical
 from tiny_models import tiny_model
 
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -25,12 +24,7 @@ from vat.target import load_target
 V = 6
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _distributions(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -49,28 +43,6 @@ def _distributions(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     pairs = [(p, q), (p_zero / p_zero.sum(), q), (p, q_zero / q_zero.sum()), (p, p.clone()), (disjoint_p, disjoint_q),
              (p, point)]
     return [(a.double() / a.double().sum(), b.double() / b.double().sum()) for a, b in pairs]
-
-
-def chi_square_critical(df: int, z: float = 3.29) -> float:
-    """Upper quantile of chi-square(df) at the normal quantile z (Wilson-Hilferty; z = 3.29 -> p ~ 5e-4)."""
-    c = 2.0 / (9.0 * df)
-    return df * (1.0 - c + z * math.sqrt(c)) ** 3
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
-    """Pearson statistic of observed counts against probabilities; cells with small expectation are pooled."""
-    n = float(counts.sum())
-    expected = probs.double().flatten() * n
-    observed = counts.double().flatten()
-    order = torch.argsort(expected, descending=True)
-    big = order[expected[order] >= min_expected]
-    small = order[expected[order] < min_expected]
-    obs = torch.cat([observed[big], observed[small].sum().view(1)])
-    exp = torch.cat([expected[big], expected[small].sum().view(1)])
-    keep = exp > 0
-    assert float(observed[expected == 0].sum()) == 0, "a zero-probability outcome was produced"
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    return stat, int(keep.sum()) - 1
 
 
 # ---- exact enumeration -------------------------------------------------------------------------------------------

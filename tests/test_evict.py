@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 import torch
-from test_eval_engine import greedy_reference, make_draft
-from tiny_models import tiny_model
+from helpers import make_dflash_draft, make_eagle3_draft
+from tiny_models import cached_greedy_reference, greedy_reference, tiny_model
 
 from vat.eval.chain import ChainDraft
 from vat.eval.cost import CostModel, draft_shape, get_accelerator, target_shape
@@ -73,7 +73,10 @@ def setup():
     torch.set_num_threads(1)
     model = tiny_model("olmoe", seed=2)
     target = load_target(model, device="cpu")
-    drafts = {"random": make_draft(model, target, rigged=False), "rigged": make_draft(model, target, rigged=True)}
+    drafts = {
+        "random": make_eagle3_draft(model, target, rigged=False),
+        "rigged": make_eagle3_draft(model, target, rigged=True),
+    }
     with torch.no_grad():  # the rigged draft, confident: same proposals (argmax), probabilities near 1
         drafts["rigged"].lm_head.weight.mul_(200.0)
     gen = torch.Generator().manual_seed(1234)
@@ -118,7 +121,7 @@ def test_evict_greedy_decoding_is_lossless(setup, tree):
         for prompt in prompts:
             engine = SpeculativeEngine(target, draft, steps=6, tree=tree, evict=evict, max_new_tokens=NEW_TOKENS)
             gen = engine.generate(prompt)
-            assert gen.token_ids == greedy_reference(model, prompt, NEW_TOKENS), (name, prompt)
+            assert gen.token_ids == cached_greedy_reference(model, prompt, NEW_TOKENS), (name, prompt)
             truncated += sum(r.drafted < full for r in gen.rounds)
             assert all(r.drafted_depth >= r.depth for r in gen.rounds)  # what the draft ran, before the cut
             if name == "rigged":
@@ -129,8 +132,8 @@ def test_evict_greedy_decoding_is_lossless(setup, tree):
 
 def test_evict_uses_the_verification_head_and_stays_lossless(setup):
     model, target, _, prompts, model_cost, table = setup
-    draft = make_draft(model, target, rigged=True, vh=True)
-    reference = greedy_reference(model, prompts[0], NEW_TOKENS)
+    draft = make_eagle3_draft(model, target, rigged=True, vh=True)
+    reference = cached_greedy_reference(model, prompts[0], NEW_TOKENS)
     drafted = {}
     for bias in (-6.0, 6.0):  # the head says "rejected" / "accepted" everywhere
         with torch.no_grad():
@@ -173,9 +176,6 @@ def test_evict_under_a_budget_and_when_sampling(setup):
 
 def test_evict_on_dflash_blocks_is_lossless():
     """EVICT truncates DFlash blocks (the drafter's per-slot probabilities) and the output stays the greedy decode."""
-    from test_dflash_eval import greedy_reference as dflash_reference
-    from test_dflash_eval import make_draft as make_dflash
-
     model = tiny_model("olmoe", seed=2, vocab_size=16, num_layers=4)
     target = load_target(model, device="cpu")
     gen = torch.Generator().manual_seed(1)
@@ -184,13 +184,13 @@ def test_evict_on_dflash_blocks_is_lossless():
     table = build_verify_cost(target, own_texts(target, prompts, NEW_TOKENS), [1, 2, 3, 5], cost=model_cost)
     drafted = []
     for rigged in (True, False):
-        draft = make_dflash(model, target, rigged=rigged)
+        draft = make_dflash_draft(model, target, rigged=rigged)
         engine = SpeculativeEngine(target, draft, evict=Evict(model_cost, table, draft_shape(draft)),
                                    max_new_tokens=NEW_TOKENS)
         assert engine.mode == "block"
         for prompt in prompts:
             out = engine.generate(prompt)
-            assert out.token_ids == dflash_reference(model, prompt, NEW_TOKENS), (rigged, prompt)
+            assert out.token_ids == greedy_reference(model, prompt, NEW_TOKENS), (rigged, prompt)
             drafted += [r.drafted for r in out.rounds]
             assert all(r.drafted_depth == 4 for r in out.rounds)  # block 5: four drafts ran every round
     assert min(drafted) < 4  # EVICT cut some blocks

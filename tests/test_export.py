@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import HT, VD, H, V, eagle3_batch, eagle3_config, random_eagle3
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.test_eagle3 import HT, VD, H, V, batch, make_model, tiny_config
 from vat.drafters.eagle3 import Eagle3Drafter
 from vat.errors import VatError
 from vat.export import (
@@ -75,7 +75,7 @@ def read(path: str) -> dict:
 
 
 def same_logits(a: Eagle3Drafter, b: Eagle3Drafter) -> None:
-    aux, ids = batch(B=2, T=8)
+    aux, ids = eagle3_batch(B=2, T=8)
     aux = torch.randn(2, 8, 3 * a.config.target_hidden_size, generator=torch.Generator().manual_seed(5))
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 6:] = 0
@@ -91,11 +91,11 @@ def same_logits(a: Eagle3Drafter, b: Eagle3Drafter) -> None:
 def trained(tmp_path):
     """A draft with a verification head and target_hidden_size != hidden_size, saved as a vat checkpoint; its target
     directory holds a config and the input embedding (what a speculators export ships)."""
-    cfg = tiny_config(verification_head=True, target_path=str(tmp_path / "target"))
+    cfg = eagle3_config(verification_head=True, target_path=str(tmp_path / "target"))
     os.makedirs(tmp_path / "target")
     with open(tmp_path / "target" / "config.json", "w") as f:
         json.dump({"architectures": ["OlmoeForCausalLM"]}, f)
-    model = make_model(cfg)
+    model = random_eagle3(cfg)
     save_file({"model.embed_tokens.weight": model.embed_tokens.weight.contiguous(), "lm_head.weight": torch.zeros(V, H)},
               str(tmp_path / "target" / "model.safetensors"))
     ckpt = save_draft(model, cfg, str(tmp_path / "ckpt"))
@@ -149,7 +149,7 @@ def test_vat_checkpoint_layout_and_round_trip(trained):
 
 def test_save_without_head_removes_stale_head_and_bf16_round_trip(trained):
     _, ckpt, _ = trained
-    plain = make_model(tiny_config()).to(torch.bfloat16)
+    plain = random_eagle3(eagle3_config()).to(torch.bfloat16)
     save_draft(plain, None, ckpt)  # same directory: the old verification head must go
     assert not os.path.exists(os.path.join(ckpt, "verification_head.safetensors"))
     assert read(os.path.join(ckpt, "config.json"))["torch_dtype"] == "bfloat16"
@@ -198,7 +198,7 @@ def test_sglang_export_every_key(trained):
 def test_sglang_config_parses_as_llama_and_omits_equal_target_hidden(tmp_path):
     from transformers import LlamaConfig
 
-    model = make_model(tiny_config(target_hidden_size=None))
+    model = random_eagle3(eagle3_config(target_hidden_size=None))
     out = export_sglang(model, str(tmp_path / "s"))
     config = read(os.path.join(out, "config.json"))
     assert "target_hidden_size" not in config  # equal to hidden_size
@@ -286,7 +286,7 @@ def test_speculators_round_trip_identical_logits(trained):
     ids=["norm_before_residual", "fc_norm", "norm_before_fc"],
 )
 def test_norm_flags_round_trip_both_formats(tmp_path, flags, extra):
-    model = make_model(tiny_config(**flags))
+    model = random_eagle3(eagle3_config(**flags))
     for fmt, export in (("sglang", export_sglang), ("speculators", export_speculators)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -309,7 +309,7 @@ def test_norm_flags_round_trip_both_formats(tmp_path, flags, extra):
 
 def test_foreign_sglang_and_speculators_checkpoints_load(tmp_path):
     """Configs as SpecForge / speculators write them (no vat block); engine defaults apply."""
-    model = make_model(tiny_config(target_hidden_size=None, aux_layer_ids=None, num_target_layers=None))
+    model = random_eagle3(eagle3_config(target_hidden_size=None, aux_layer_ids=None, num_target_layers=None))
     state = {k: v for k, v in model.state_dict().items()}
     llama = {k: v for k, v in LLAMA_KEYS.items() if k not in ("head_dim", "rope_scaling", "pad_token_id")}
     sg = tmp_path / "specforge"

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from test_trainer import _cfg, _metrics, spec_bench_file_module, workspace  # noqa: F401  (module fixtures)
+from helpers import read_metrics, train_config
 
 from vat.errors import VatError
 from vat.trainer import Trainer
@@ -17,22 +17,22 @@ from vat.trainer import main as train_main
 
 
 @pytest.fixture(scope="module")
-def source(workspace, tmp_path_factory):  # noqa: F811
+def source(train_workspace, tmp_path_factory):
     """A vat EAGLE-3 draft for the tiny target (full vocabulary), the draft a LoRA run imports."""
     from transformers import AutoConfig
 
     from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from vat.export import save_draft
 
-    tc = AutoConfig.from_pretrained(workspace["target"])
+    tc = AutoConfig.from_pretrained(train_workspace["target"])
     cfg = Eagle3Config.for_target(tc, draft_vocab_size=tc.vocab_size, ttt_steps=3)
     torch.manual_seed(5)
     return save_draft(Eagle3Drafter(cfg), cfg, str(tmp_path_factory.mktemp("lora_src") / "draft"))
 
 
 def _lora(ws, src, out, *extra):
-    return _cfg(ws, out, f"train.init_from={src}", "method=vat", "drafter.ttt_steps=3", "train.lora.r=4",
-                "train.lora.alpha=8", "train.lr=1e-2", "train.save_every=0", *extra)
+    return train_config(ws, out, f"train.init_from={src}", "method=vat", "drafter.ttt_steps=3", "train.lora.r=4",
+                        "train.lora.alpha=8", "train.lr=1e-2", "train.save_every=0", *extra)
 
 
 def _first_batch(trainer):
@@ -44,10 +44,10 @@ def _first_batch(trainer):
 
 
 @pytest.mark.parametrize("train_fc", [False, True])
-def test_lora_gradients_reach_only_adapters_vh_and_fc_when_asked(workspace, source, tmp_path, train_fc):  # noqa: F811
+def test_lora_gradients_reach_only_adapters_vh_and_fc_when_asked(train_workspace, source, tmp_path, train_fc):
     from safetensors.torch import load_file
 
-    trainer = Trainer(_lora(workspace, source, str(tmp_path / "run"), f"train.lora.train_fc={train_fc}"))
+    trainer = Trainer(_lora(train_workspace, source, str(tmp_path / "run"), f"train.lora.train_fc={train_fc}"))
     trainer.setup()
     try:
         drafter = trainer.accelerator.unwrap_model(trainer.drafter)
@@ -78,14 +78,14 @@ def test_lora_gradients_reach_only_adapters_vh_and_fc_when_asked(workspace, sour
             assert torch.equal(value, after[name]), name
 
 
-def test_lora_merged_exports_equal_the_adapted_model(workspace, source, tmp_path):  # noqa: F811
+def test_lora_merged_exports_equal_the_adapted_model(train_workspace, source, tmp_path):
     """After training, final/ (merged), its SGLang and speculators exports and peft's own merge_and_unload all give
     the adapted (unmerged) model's logits."""
     from vat.export import export_sglang, export_speculators, load_draft
     from vat.lora import lora_modules, merged_state_dict
 
     out = tmp_path / "run"
-    trainer = Trainer(_lora(workspace, source, str(out), "train.max_steps=3", "train.lora.dropout=0.1"))
+    trainer = Trainer(_lora(train_workspace, source, str(out), "train.max_steps=3", "train.lora.dropout=0.1"))
     trainer.setup()
     try:
         trainer.run()
@@ -99,7 +99,7 @@ def test_lora_merged_exports_equal_the_adapted_model(workspace, source, tmp_path
                        if hasattr(m, "lora_B"))  # the adapters moved: the merge is not trivially the base
             drafts = {"final": load_draft(str(out / "final"), embed_weight=embed)[0]}
             drafts["sglang"] = load_draft(export_sglang(drafts["final"], str(tmp_path / "sg")), embed_weight=embed)[0]
-            spec = export_speculators(drafts["final"], str(tmp_path / "spec"), target=workspace["target"])
+            spec = export_speculators(drafts["final"], str(tmp_path / "spec"), target=train_workspace["target"])
             drafts["speculators"] = load_draft(spec, embed_weight=embed)[0]
             for name, draft in drafts.items():
                 got = draft.eval()(tout.aux_hidden, batch["input_ids"], batch["attention_mask"], ttt_steps=3)
@@ -118,32 +118,32 @@ def test_lora_merged_exports_equal_the_adapted_model(workspace, source, tmp_path
     assert json.load(open(out / "final" / "config.json"))["vat_format"] == "eagle3"
 
 
-def test_lora_resume_continues_the_adapters_exactly(workspace, source, tmp_path):  # noqa: F811
+def test_lora_resume_continues_the_adapters_exactly(train_workspace, source, tmp_path):
     """Checkpoints keep the unmerged adapters (and the dropout RNG): a killed LoRA run resumes to the same numbers."""
     lora = ("train.lora.dropout=0.1", "train.max_steps=4", "train.save_every=2")
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    train_main(_lora(workspace, source, full, *lora))
-    train_main(_lora(workspace, source, killed, *lora, "train.stop_after=2"))
+    train_main(_lora(train_workspace, source, full, *lora))
+    train_main(_lora(train_workspace, source, killed, *lora, "train.stop_after=2"))
     state = torch.load(os.path.join(killed, "checkpoints", "step_2", "trainer_state.pt"), weights_only=False)
     assert any(".lora_B.default." in k for k in state["drafter"]) and state["lora_targets"]
-    train_main(_lora(workspace, source, killed, *lora, "resume=auto"))
-    a, b = _metrics(full), _metrics(killed)
+    train_main(_lora(train_workspace, source, killed, *lora, "resume=auto"))
+    a, b = read_metrics(full), read_metrics(killed)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         for key in ("loss", "tau_sim", "vh_bce", "lr", "grad_norm", "vh_grad_norm"):
             assert ra[key] == rb[key], (ra["step"], key)
     # resuming without the adapters is refused in one line
     with pytest.raises(VatError, match="trained with LoRA on .* resume with the same train.lora"):
-        train_main(_cfg(workspace, killed, f"train.init_from={source}", "method=vat", "drafter.ttt_steps=3",
-                        "train.max_steps=4", "resume=auto", "logging.progress=false"))
+        train_main(train_config(train_workspace, killed, f"train.init_from={source}", "method=vat",
+                                "drafter.ttt_steps=3", "train.max_steps=4", "resume=auto", "logging.progress=false"))
 
 
-def test_lora_bad_targets_fail_in_one_line(workspace, source, tmp_path):  # noqa: F811
+def test_lora_bad_targets_fail_in_one_line(train_workspace, source, tmp_path):
     with pytest.raises(VatError, match=r"^train.lora.target_modules \['nope'\] match no Linear layer"):
-        train_main(_lora(workspace, source, str(tmp_path / "a"), "train.lora.target_modules=[nope]"))
+        train_main(_lora(train_workspace, source, str(tmp_path / "a"), "train.lora.target_modules=[nope]"))
     with pytest.raises(VatError, match=r"^train.lora.target_modules adapt \['fc'\], which train in full"):
-        train_main(_lora(workspace, source, str(tmp_path / "b"), "train.lora.target_modules=[fc]",
-                         "train.lora.train_fc=true"))
+        train_main(_lora(train_workspace, source, str(tmp_path / "b"), "train.lora.target_modules=[fc]",
+                               "train.lora.train_fc=true"))
     from vat.config import load_config
 
     with pytest.raises(VatError, match=r"^config key `train.lora` needs `train.init_from`"):

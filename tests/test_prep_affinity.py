@@ -5,8 +5,8 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
+from helpers import build_small_tokenizer
 from safetensors import safe_open
-from test_prep_fixtures import build_small_tokenizer
 from tiny_models import tiny_model
 from vat.data_prep.affinity import affinity_from_routing, routing_counts
 from vat.data_prep.affinity import main as affinity_main
@@ -18,16 +18,7 @@ from vat.cli import main as vat_main
 from vat.errors import VatError
 from vat.target import load_target
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; on a shared, loaded CPU two OpenMP threads can be 100x slower."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 V, L, E, K = 20, 3, 6, 2

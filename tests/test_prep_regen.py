@@ -7,23 +7,14 @@ import os
 
 import datasets
 import pytest
-from test_prep_fixtures import build_small_tokenizer
+from helpers import build_small_tokenizer
 from tiny_models import tiny_model
 from vat.data_prep.readers import iter_records
 from vat.data_prep.regen import Regenerator, regenerate_file
 
 from vat.cli import main as vat_main
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; on a shared, loaded CPU two OpenMP threads can be 100x slower."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 CHATS = [

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from helpers import reference_budget, router_io
 from tiny_models import FAMILIES, tiny_model
 
 from vat.errors import VatError
@@ -23,22 +22,6 @@ from vat.target.accounting import contiguous_windows
 SEQ = 12
 
 
-def _router_io(target):
-    """Record, for every MoE router, its input and the (possibly budgeted) output the experts received."""
-    records: dict[int, dict] = {}
-    handles = []
-    for ordinal, (_, router, _) in enumerate(target.routing.moe_layers):
-        def pre(module, args, ordinal=ordinal):
-            records.setdefault(ordinal, {})["input"] = args[0].detach().clone()
-
-        def post(module, args, output, ordinal=ordinal):
-            records[ordinal]["output"] = tuple(o.detach().clone() for o in output)
-
-        handles.append(router.register_forward_pre_hook(pre))
-        handles.append(router.register_forward_hook(post))  # registered after vat's hook: sees its result
-    return records, handles
-
-
 @pytest.fixture(params=FAMILIES)
 def family_target(request):
     model = tiny_model(request.param)
@@ -50,7 +33,7 @@ def family_target(request):
 def test_capture_equals_each_models_own_routing(family_target):
     family, _, target = family_target
     ids = torch.randint(3, 128, (2, SEQ))
-    records, handles = _router_io(target)
+    records, handles = router_io(target)
     out = target.forward(ids)
     for h in handles:
         h.remove()
@@ -90,101 +73,14 @@ def test_budget_at_least_union_is_bit_identical(family_target):
             assert torch.equal(budgeted.topk_ids, natural.topk_ids)
 
 
-# ---- brute-force reference of budgeting, one token at a time --------------------------------------------------
-
-def _scores(family, logits_row):
-    if family == "deepseek_v3":
-        return [1 / (1 + math.exp(-x)) for x in logits_row]
-    m = max(logits_row)
-    ex = [math.exp(x - m) for x in logits_row]
-    return [e / sum(ex) for e in ex]
-
-
-def _reference_select(family, router, logits_row, allowed):
-    """The family's rule for one token, by hand: returns {expert: weight} (sentinel slots omitted)."""
-    k = router.top_k
-    if family == "gpt_oss":
-        chosen = sorted(allowed, key=lambda e: -logits_row[e])[:k]
-        m = max(logits_row[e] for e in chosen)
-        ex = {e: math.exp(logits_row[e] - m) for e in chosen}
-        return {e: v / sum(ex.values()) for e, v in ex.items()}
-    if family == "deepseek_v3":
-        return _reference_deepseek(router, logits_row, allowed)
-    probs = _scores(family, logits_row)
-    chosen = sorted(allowed, key=lambda e: -probs[e])[:k]
-    w = {e: probs[e] for e in chosen}
-    if family == "mixtral" or getattr(router, "norm_topk_prob", False):
-        total = sum(w.values())
-        w = {e: v / total for e, v in w.items()}
-    return w
-
-
-def _reference_deepseek(router, logits_row, allowed):
-    """DeepSeek-V3 over an allowed set, by hand: groups scored by their top-2 allowed biased scores, the topk_group
-    best taken and widened in rank order while they hold fewer than k allowed experts, top-k inside them."""
-    k, size = router.top_k, router.num_experts // router.num_group
-    scores = _scores("deepseek_v3", logits_row)
-    bias = router.e_score_correction_bias.tolist()
-    choice = {e: scores[e] + bias[e] for e in allowed}
-    members = {g: [e for e in allowed if e // size == g] for g in range(router.num_group)}
-    group_score = {g: sum(sorted((choice[e] for e in m), reverse=True)[:2]) for g, m in members.items() if m}
-    ranked = sorted(group_score, key=lambda g: -group_score[g])  # stable: ties keep the lower group first
-    chosen_groups, held = [], 0
-    for rank, g in enumerate(ranked):
-        if rank < router.topk_group or held < k:
-            chosen_groups.append(g)
-            held += len(members[g])
-    cands = [e for g in chosen_groups for e in members[g]]
-    chosen = sorted(cands, key=lambda e: -choice[e])[:k]
-    w = {e: scores[e] for e in chosen}
-    if router.norm_topk_prob:
-        total = sum(w.values()) + 1e-20
-        w = {e: v / total for e, v in w.items()}
-    return {e: v * router.routed_scaling_factor for e, v in w.items()}
-
-
-def _reference_budget(family, router, logits, natural_w, natural_ids, groups, budget, policy):
-    """Per-window budget set and per-token rerouting, with Python loops."""
-    n_tokens = logits.shape[0]
-    logits_l, nat_ids, nat_w = logits.tolist(), natural_ids.tolist(), natural_w.tolist()
-    result = []
-    windows = {}
-    for t in range(n_tokens):
-        windows.setdefault(groups[t], []).append(t)
-    allowed_of = {}
-    for g, tokens in windows.items():
-        union = {e for t in tokens for e in nat_ids[t]}
-        if len(union) <= budget:
-            allowed_of[g] = union
-            continue
-        mass = [0.0] * router.num_experts
-        for t in tokens:
-            for e, s in enumerate(_scores(family, logits_l[t])):
-                mass[e] += s
-        allowed_of[g] = set(sorted(range(router.num_experts), key=lambda e: -mass[e])[:budget])
-    for t in range(n_tokens):
-        allowed = allowed_of[groups[t]]
-        natural = dict(zip(nat_ids[t], nat_w[t]))
-        if set(natural) <= allowed:
-            result.append(natural)
-        elif policy == "substitute":
-            result.append(_reference_select(family, router, logits_l[t], allowed))
-        else:
-            kept = {e: w for e, w in natural.items() if e in allowed}
-            if not kept:  # no natural expert in S: substituted, never left without expert output
-                result.append(_reference_select(family, router, logits_l[t], allowed))
-                continue
-            scale = sum(natural.values()) / sum(kept.values())
-            result.append({e: w * scale for e, w in kept.items()})
-    return result
-
+# ---- budgets below the union against the brute-force reference (helpers.reference_budget) ----------------------------
 
 @pytest.mark.parametrize("policy", ["substitute", "truncate"])
 def test_budget_below_union_matches_brute_force(family_target, policy):
     family, _, target = family_target
     ids = torch.randint(3, 128, (2, SEQ))
     budget, window = 2 if target.top_k <= 2 else target.top_k, 4
-    records, handles = _router_io(target)
+    records, handles = router_io(target)
     out = target.forward(ids, budget=BudgetSpec(B=budget, window=window, policy=policy))
     for h in handles:
         h.remove()
@@ -196,7 +92,7 @@ def test_budget_below_union_matches_brute_force(family_target, policy):
     groups = out.window_groups.reshape(-1).tolist()
     for ordinal, (_, router, _) in enumerate(target.routing.moe_layers):
         logits, nat_w, nat_ids = router(records[ordinal]["input"])  # natural routing of the budgeted run's input
-        expected = _reference_budget(family, router, logits, nat_w, nat_ids, groups, budget, policy)
+        expected = reference_budget(family, router, logits, nat_w, nat_ids, groups, budget, policy)
         _, got_w, got_ids = records[ordinal]["output"]
         for t, want in enumerate(expected):
             got = {e: w for e, w in zip(got_ids[t].tolist(), got_w[t].tolist()) if e != target.num_experts}

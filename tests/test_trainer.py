@@ -7,117 +7,73 @@ import os
 
 import pytest
 import torch
+from helpers import read_metrics, train_config, train_overrides
 from tiny_models import save_tiny_target
 
 from vat.cli import main as vat_main
-from vat.config import load_config
 from vat.errors import VatError
 from vat.trainer import main as train_main
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory, spec_bench_file_module):
-    """A saved tiny OLMoE target and a prepared chat dataset built with its tokenizer."""
-    from vat.data_prep.chat import prepare_chat
-
-    root = tmp_path_factory.mktemp("train")
-    target = save_tiny_target(root / "target", "olmoe", num_experts=8, top_k=2)
-    rows = []
-    with open(spec_bench_file_module) as f:
-        for i, line in enumerate(f):
-            if i >= 48:
-                break
-            q = json.loads(line)["turns"][0][:200]
-            answer = " ".join(reversed(q.split()))[:160]
-            rows.append({"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": answer}]})
-    chats = root / "chats.jsonl"
-    chats.write_text("\n".join(json.dumps(r) for r in rows))
-    prepare_chat(str(chats), target, str(root / "data"), max_length=256, progress=False)
-    return {"target": target, "data": str(root / "data"), "root": root}
-
-
-@pytest.fixture(scope="module")
-def spec_bench_file_module():
-    from conftest import SPEC_BENCH
-
-    return SPEC_BENCH  # packaged with vat, never missing
-
-
-def _overrides(ws, out, *extra):
-    return [
-        f"target.path={ws['target']}", f"data.train={ws['data']}", f"output_dir={out}", "data.tokens_per_batch=512",
-        "data.max_batch_size=4", "data.max_length=160", "drafter.draft_vocab_size=256", "train.max_steps=6",
-        "train.save_every=3", "train.lr=1e-3", "logging.progress=false", *extra,
-    ]
-
-
-def _cfg(ws, out, *extra):
-    return load_config(None, _overrides(ws, out, *extra))
-
-
-def _metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def test_train_writes_metrics_checkpoints_and_final(workspace, tmp_path):
+def test_train_writes_metrics_checkpoints_and_final(train_workspace, tmp_path):
     out = str(tmp_path / "run")
-    train_main(_cfg(workspace, out))
-    lines = _metrics(out)
+    train_main(train_config(train_workspace, out))
+    lines = read_metrics(out)
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
     for key in ("step", "loss", "tau_sim", "tokens_per_s", "acc_0", "acc_6", "cond_acc_0", "cond_acc_6", "union_sim"):
         assert key in lines[0], key
     assert all(1.0 <= r["tau_sim"] <= 8.0 for r in lines)
     final = os.path.join(out, "final")
     config = json.load(open(os.path.join(final, "config.json")))
-    assert config["target_path"] == workspace["target"]
+    assert config["target_path"] == train_workspace["target"]
     assert os.path.exists(os.path.join(out, "checkpoints", "step_3", "trainer_state.pt"))
     assert not any(name.startswith(".tmp") for name in os.listdir(os.path.join(out, "checkpoints")))
 
 
-def test_resume_after_kill_continues_to_the_same_numbers(workspace, tmp_path):
+def test_resume_after_kill_continues_to_the_same_numbers(train_workspace, tmp_path):
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
     vat = ("method=vat", "loss.union_weight=0.1", "drafter.ttt_steps=4", "train.max_steps=5")
-    train_main(_cfg(workspace, full, *vat))
-    train_main(_cfg(workspace, killed, *vat, "train.stop_after=3"))
-    assert [r["step"] for r in _metrics(killed)] == [1, 2, 3]
+    train_main(train_config(train_workspace, full, *vat))
+    train_main(train_config(train_workspace, killed, *vat, "train.stop_after=3"))
+    assert [r["step"] for r in read_metrics(killed)] == [1, 2, 3]
     assert not os.path.exists(os.path.join(killed, "final"))
-    train_main(_cfg(workspace, killed, *vat, "resume=auto"))
-    a, b = _metrics(full), _metrics(killed)
+    train_main(train_config(train_workspace, killed, *vat, "resume=auto"))
+    a, b = read_metrics(full), read_metrics(killed)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
     for ra, rb in zip(a, b):
         for key in ("loss", "tau_sim", "acc_0", "cond_acc_3", "vh_bce", "vh_auc", "union_sim", "lr", "grad_norm"):
             assert ra[key] == rb[key], (ra["step"], key)
 
 
-def test_vat_with_budget_trains_and_logs_vh_and_union(workspace, tmp_path):
+def test_vat_with_budget_trains_and_logs_vh_and_union(train_workspace, tmp_path):
     out = str(tmp_path / "vat")
-    train_main(_cfg(workspace, out, "method=vat", "budget.B=2", "loss.union_weight=0.1", "train.max_steps=3",
-                              "drafter.ttt_steps=3"))
-    last = _metrics(out)[-1]
+    train_main(train_config(train_workspace, out, "method=vat", "budget.B=2", "loss.union_weight=0.1",
+                            "train.max_steps=3", "drafter.ttt_steps=3"))
+    last = read_metrics(out)[-1]
     for key in ("vh_bce", "vh_auc", "union_sim"):
         assert key in last
     assert 0 < last["union_sim"] <= 8
 
 
-def test_cli_train_with_recipe_and_overrides(workspace, tmp_path):
+def test_cli_train_with_recipe_and_overrides(train_workspace, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"method: eagle3\ntarget:\n  path: {workspace['target']}\ndata:\n  train: {workspace['data']}\n"
+    recipe.write_text(f"method: eagle3\ntarget:\n  path: {train_workspace['target']}\n"
+                      f"data:\n  train: {train_workspace['data']}\n"
                       "  tokens_per_batch: 1024\ndrafter:\n  draft_vocab_size: 256\n")
     out = tmp_path / "cli"
     assert vat_main(["train", str(recipe), "train.max_steps=2", f"output_dir={out}", "logging.progress=false"]) == 0
-    assert len(_metrics(str(out))) == 2
+    assert len(read_metrics(str(out))) == 2
 
 
-def test_resume_with_another_target_fails_clearly(workspace, tmp_path):
+def test_resume_with_another_target_fails_clearly(train_workspace, tmp_path):
     out = str(tmp_path / "mismatch")
-    train_main(_cfg(workspace, out, "train.stop_after=3"))
+    train_main(train_config(train_workspace, out, "train.stop_after=3"))
     other = save_tiny_target(tmp_path / "other", "olmoe", num_experts=8, top_k=2, hidden_size=32)
     with pytest.raises(VatError, match="hidden"):
-        train_main(_cfg(workspace, out, f"target.path={other}", "resume=auto"))
+        train_main(train_config(train_workspace, out, f"target.path={other}", "resume=auto"))
 
 
-def test_two_process_ddp_training_with_gloo(workspace, tmp_path):
+def test_two_process_ddp_training_with_gloo(train_workspace, tmp_path):
     """Real multi-process training: 2 CPU processes (torchrun; accelerate picks MULTI_CPU with gloo); metrics are
     global sums. (On GPUs the same entry point runs under `accelerate launch --num_processes N -m vat train`.)"""
     import subprocess
@@ -127,16 +83,17 @@ def test_two_process_ddp_training_with_gloo(workspace, tmp_path):
     recipe = tmp_path / "ddp.yaml"
     recipe.write_text("method: vat\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vat", "train", str(recipe),
-           *[o for o in _overrides(workspace, str(out)) if not o.startswith("train.max_steps")], "train.max_steps=3"]
+           *[o for o in train_overrides(train_workspace, str(out)) if not o.startswith("train.max_steps")],
+           "train.max_steps=3"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = _metrics(str(out))
+    lines = read_metrics(str(out))
     assert [r["step"] for r in lines] == [1, 2, 3]
     # the logged token count is the global sum over both ranks' batches of that step
     from vat.data import BucketedBatches, load_prepared
 
-    ds, _ = load_prepared(workspace["data"], max_length=160)
+    ds, _ = load_prepared(train_workspace["data"], max_length=160)
     lengths = list(ds["length"])
     per_rank = []
     for rank in (0, 1):
@@ -147,7 +104,7 @@ def test_two_process_ddp_training_with_gloo(workspace, tmp_path):
     assert os.path.exists(out / "final" / "model.safetensors")
 
 
-def test_huge_verification_head_gradient_leaves_the_body_update_unchanged(workspace, tmp_path):
+def test_huge_verification_head_gradient_leaves_the_body_update_unchanged(train_workspace, tmp_path):
     """The VH is its own parameter group with its own clip: scaling its loss by 1e6 (detached, so the body's
     gradient is identical) must not change a single body weight, and both gradient norms are logged."""
     from safetensors.torch import load_file
@@ -155,9 +112,9 @@ def test_huge_verification_head_gradient_leaves_the_body_update_unchanged(worksp
     runs = {}
     for beta in ("1.0", "1e6"):
         out = str(tmp_path / f"beta{beta}")
-        train_main(_cfg(workspace, out, "method=vat", "loss.vh_detach=true", f"loss.vh_weight={beta}",
-                        "train.max_steps=3", "train.save_every=0"))
-        runs[beta] = (load_file(os.path.join(out, "final", "model.safetensors")), _metrics(out))
+        train_main(train_config(train_workspace, out, "method=vat", "loss.vh_detach=true", f"loss.vh_weight={beta}",
+                                "train.max_steps=3", "train.save_every=0"))
+        runs[beta] = (load_file(os.path.join(out, "final", "model.safetensors")), read_metrics(out))
     (w1, m1), (w2, m2) = runs["1.0"], runs["1e6"]
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], atol=0, rtol=0, msg=name)
@@ -166,7 +123,7 @@ def test_huge_verification_head_gradient_leaves_the_body_update_unchanged(worksp
         assert b["vh_grad_norm"] > 1e4 * a["vh_grad_norm"] > 0
 
 
-def test_init_from_a_speculators_draft_continues_with_vat_losses(workspace, tmp_path):
+def test_init_from_a_speculators_draft_continues_with_vat_losses(train_workspace, tmp_path):
     """speculators' default recipe flags (norm_before_residual, norm_before_fc, norm_output, sliding window), the full
     vocabulary (no d2t/t2d) and non-default aux layers: imported, exactly the source at step 0, trained with VAT."""
     from transformers import AutoConfig
@@ -176,19 +133,19 @@ def test_init_from_a_speculators_draft_continues_with_vat_losses(workspace, tmp_
     from vat.export.target_embedding import read_target_embedding
     from vat.trainer import Trainer
 
-    tc = AutoConfig.from_pretrained(workspace["target"])
+    tc = AutoConfig.from_pretrained(train_workspace["target"])
     ids = [0, 1, tc.num_hidden_layers - 1]
     source_cfg = Eagle3Config.for_target(
         tc, draft_vocab_size=tc.vocab_size, aux_layer_ids=ids, norm_before_residual=True, norm_before_fc=True,
         norm_output=True, sliding_window=16, ttt_steps=3,
     )
     torch.manual_seed(3)
-    source = Eagle3Drafter(source_cfg, read_target_embedding(workspace["target"], tc.vocab_size, tc.hidden_size))
+    source = Eagle3Drafter(source_cfg, read_target_embedding(train_workspace["target"], tc.vocab_size, tc.hidden_size))
     src = export_speculators(source, str(tmp_path / "spec"))
 
     out = str(tmp_path / "run")
-    trainer = Trainer(_cfg(workspace, out, f"train.init_from={src}", "method=vat", "train.max_steps=2",
-                           "drafter.ttt_steps=3"))
+    trainer = Trainer(train_config(train_workspace, out, f"train.init_from={src}", "method=vat", "train.max_steps=2",
+                                   "drafter.ttt_steps=3"))
     trainer.setup()
     try:
         drafter = trainer.accelerator.unwrap_model(trainer.drafter)
@@ -206,7 +163,7 @@ def test_init_from_a_speculators_draft_continues_with_vat_losses(workspace, tmp_
     assert saved["verification_head"] and saved["aux_layer_ids"] == ids
 
 
-def test_init_from_a_draft_for_another_target_fails_clearly(workspace, tmp_path):
+def test_init_from_a_draft_for_another_target_fails_clearly(train_workspace, tmp_path):
     from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from vat.export import save_draft
 
@@ -214,7 +171,7 @@ def test_init_from_a_draft_for_another_target_fails_clearly(workspace, tmp_path)
                        target_hidden_size=2048, vocab_size=300, draft_vocab_size=300)
     src = save_draft(Eagle3Drafter(cfg), cfg, str(tmp_path / "other"))
     with pytest.raises(VatError, match=r"init_from .*other: draft target_hidden_size 2048 ≠ target hidden_size \d+"):
-        train_main(_cfg(workspace, str(tmp_path / "run"), f"train.init_from={src}"))
+        train_main(train_config(train_workspace, str(tmp_path / "run"), f"train.init_from={src}"))
 
 
 def test_init_from_with_a_vocab_file_is_refused_in_one_line(tmp_path):
@@ -225,7 +182,7 @@ def test_init_from_with_a_vocab_file_is_refused_in_one_line(tmp_path):
         load_config(None, [f"train.init_from={tmp_path}", f"data.vocab={tmp_path / 'v.safetensors'}"])
 
 
-def test_budgeted_training_forward_prefills_the_prompt_unbudgeted(workspace, tmp_path):
+def test_budgeted_training_forward_prefills_the_prompt_unbudgeted(train_workspace, tmp_path):
     """Prompt-only perturbation: under budget B=1 the trainer's target forward leaves every prompt (non-loss) position
     exactly as the unbudgeted forward computes it — hidden states, logits and routing — while the response positions
     change; budgeting the whole sequence (the old behaviour) changes the prompt positions too."""
@@ -234,7 +191,8 @@ def test_budgeted_training_forward_prefills_the_prompt_unbudgeted(workspace, tmp
     from vat.data import collate
     from vat.trainer import Trainer
 
-    trainer = Trainer(_cfg(workspace, str(tmp_path / "pf"), "method=vat", "budget.B=1", "target.experts_impl=eager"))
+    trainer = Trainer(train_config(train_workspace, str(tmp_path / "pf"), "method=vat", "budget.B=1",
+                                   "target.experts_impl=eager"))
     trainer.setup()
     try:
         batch = collate([trainer.dataset[i] for i in range(3)], trainer.pad_id)
@@ -256,7 +214,7 @@ def test_budgeted_training_forward_prefills_the_prompt_unbudgeted(workspace, tmp
     assert (whole.logits[prompt] - natural.logits[prompt]).abs().max() > 1e-3  # and would on the prompt too
 
 
-def test_compact_strided_affinity_trains_with_the_union_penalty(workspace, tmp_path):
+def test_compact_strided_affinity_trains_with_the_union_penalty(train_workspace, tmp_path):
     """loss.affinity_storage=uint16 with a layer stride: the union runs over the tracked layers, the saved table is
     (draft vocab, tracked layers, E), and resuming restores the compact state."""
     from safetensors.torch import load_file
@@ -264,14 +222,14 @@ def test_compact_strided_affinity_trains_with_the_union_penalty(workspace, tmp_p
     out = str(tmp_path / "compact")
     extra = ("method=vat", "loss.union_weight=0.1", "loss.affinity_storage=uint16", "loss.affinity_layer_stride=2",
              "train.max_steps=3", "drafter.ttt_steps=3")
-    train_main(_cfg(workspace, out, *extra, "train.stop_after=2", "train.save_every=2"))
-    last = train_main(_cfg(workspace, out, *extra, "resume=auto"))
+    train_main(train_config(train_workspace, out, *extra, "train.stop_after=2", "train.save_every=2"))
+    last = train_main(train_config(train_workspace, out, *extra, "resume=auto"))
     assert last["step"] == 3 and 0 < last["union_sim"] <= 8 and last["union_loss"] > 0
     table = load_file(os.path.join(out, "final", "affinity.safetensors"))["affinity"]
     assert table.shape == (256, 1, 8)  # 2 MoE layers, stride 2
 
 
-def test_budgeted_training_folds_natural_routing_into_the_affinity_table(workspace, tmp_path):
+def test_budgeted_training_folds_natural_routing_into_the_affinity_table(train_workspace, tmp_path):
     """The affinity table learns natural routing under a budget: with only the last MoE layer budgeted (B=1) the
     routers' own top-k of the budgeted forward is the unbudgeted forward's exactly, so the folded table equals the
     one the same batch gives without a budget, while folding the executed (budgeted) ids would not. With every layer
@@ -282,8 +240,8 @@ def test_budgeted_training_folds_natural_routing_into_the_affinity_table(workspa
     from vat.target import BudgetSpec
     from vat.trainer import Trainer
 
-    trainer = Trainer(_cfg(workspace, str(tmp_path / "nat"), "method=vat", "budget.B=[null,1]",
-                           "target.experts_impl=eager"))
+    trainer = Trainer(train_config(train_workspace, str(tmp_path / "nat"), "method=vat", "budget.B=[null,1]",
+                                   "target.experts_impl=eager"))
     trainer.setup()
     try:
         batch = collate([trainer.dataset[i] for i in range(3)], trainer.pad_id)
@@ -326,7 +284,9 @@ def test_budgeted_training_folds_natural_routing_into_the_affinity_table(workspa
     assert plain.natural_topk_ids is None
 
 
-def test_budget_align_response_restarts_windows_at_the_response_and_offset_keeps_the_old_tiling(workspace, tmp_path):
+def test_budget_align_response_restarts_windows_at_the_response_and_offset_keeps_the_old_tiling(
+    train_workspace, tmp_path
+):
     """budget.align=response: each row's windows start at its first response position plus that row's phase (seeded
     per step and batch, so a rerun draws the same); budget.align=offset: the step's absolute offset tiling, which
     scope=batch (rows sharing one window set) keeps whatever the alignment."""
@@ -336,9 +296,9 @@ def test_budget_align_response_restarts_windows_at_the_response_and_offset_keeps
 
     groups = {}
     for align, scope in (("response", "sequence"), ("offset", "sequence"), ("response", "batch")):
-        trainer = Trainer(_cfg(workspace, str(tmp_path / f"{align}_{scope}"), "method=vat", "budget.B=1",
-                               "drafter.ttt_steps=3", f"budget.align={align}", f"budget.scope={scope}",
-                               "target.experts_impl=eager"))
+        trainer = Trainer(train_config(train_workspace, str(tmp_path / f"{align}_{scope}"), "method=vat", "budget.B=1",
+                                       "drafter.ttt_steps=3", f"budget.align={align}", f"budget.scope={scope}",
+                                       "target.experts_impl=eager"))
         trainer.setup()
         try:
             batch = collate([trainer.dataset[i] for i in range(4)], trainer.pad_id)

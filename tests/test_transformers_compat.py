@@ -9,9 +9,9 @@ import inspect
 from types import SimpleNamespace
 
 import torch
+from tiny_models import tiny_model
 from torch import nn
 
-from tests.tiny_models import tiny_model
 from vat.target import cache as cache_api
 from vat.target.cache import cache_keyword, cache_kwargs, new_cache, output_cache
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -140,3 +142,16 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
             ids.append(token)
             out.append(token)
     return out
+
+
+_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(prompt, n): its greedy decode}
+
+
+def cached_greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    """:func:`greedy_reference`, computed once per (model, prompt, n) while ``model`` lives: for tests that compare
+    many decodes of one model (never changed in between) with it."""
+    per_model = _GREEDY.setdefault(model, {})
+    key = (tuple(prompt), n)
+    if key not in per_model:
+        per_model[key] = greedy_reference(model, prompt, n)
+    return per_model[key]
