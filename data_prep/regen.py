@@ -625,7 +625,7 @@ def main(args) -> int:
     if args.temperature < 0:
         raise VatError("--temperature must be >= 0")
     torch.manual_seed(0)
-    from vat.paths import resolve_target_path
+    from vat.target.model import resolve_target_path
 
     model, tokenizer = load_generator_model(resolve_target_path(args.target))
     regen = Regenerator(

@@ -621,22 +621,3 @@ def format_report(report: dict, output_dir: str) -> str:
     for s in report.get("samples", []):
         lines.append(f"  > {s['prompt']}\n    {s['output']!r}")
     return "\n".join(lines)
-
-
-def main(args) -> int:
-    """`vat prep tiny-target [--size full|quick|bench] [--output DIR] [--seed N] [--force] [--smoke] [--quality]`."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-    size = "quick" if args.quick else args.size
-    output_dir = args.output or tiny_target_dir(size)
-    seed = tiny_seed() if args.seed is None else args.seed
-    cached = not args.force and read_report(output_dir) is not None
-    report = build_tiny_target(output_dir, size=size, seed=seed, force=args.force, smoke=args.smoke)
-    if cached:
-        print("(cached build; pass --force to rebuild)")
-    print(format_report(report, os.path.abspath(output_dir)))
-    if args.quality or (size == "bench" and not args.smoke):
-        from vat.eval.target_quality import write_quality  # CLI dispatch: the eval engine runs the target
-
-        print(write_quality(output_dir, output_dir))
-    return 0

@@ -50,7 +50,7 @@ def _save_draft(root: str) -> str:
 
     from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from vat.export.checkpoint import save_draft
-    from vat.paths import resolve_target_path
+    from vat.target.model import resolve_target_path
 
     target = resolve_target_path("tiny-quick")
     config = AutoConfig.from_pretrained(target)
@@ -145,7 +145,7 @@ def test_methods_on_their_own_targets_run_side_by_side(tmp_path, capsys, one_thr
 
     from vat.bench.cells import plan_cells, train_config
     from vat.bench.run import run_bench
-    from vat.paths import resolve_target_path
+    from vat.target.model import resolve_target_path
 
     base = resolve_target_path("tiny-quick")
     other = str(tmp_path / "other-target")

@@ -133,7 +133,7 @@ def quick_dflash(tmp_path_factory):
     from transformers import AutoConfig
 
     from vat.export.checkpoint import save_draft
-    from vat.paths import resolve_target_path
+    from vat.target.model import resolve_target_path
 
     target_dir = resolve_target_path("tiny-quick")
     config = AutoConfig.from_pretrained(target_dir)
@@ -214,7 +214,7 @@ def test_block_decoding_on_the_quick_tiny_target_is_its_greedy_decode(tmp_path):
 
     from vat.config import load_config
     from vat.export import load_draft
-    from vat.paths import resolve_target_path
+    from vat.target.model import resolve_target_path
     from vat.trainer import main as train_main
 
     out = str(tmp_path / "run")

@@ -221,7 +221,7 @@ def test_triton_kernel_decodes_like_grouped_mm_under_a_budget(tmp_path, spec_ben
     from chosen_prompts import choose_prompts
     from transformers import AutoConfig
 
-    from vat.paths import resolve_target_path
+    from vat.target.model import resolve_target_path
 
     assert os.environ.get("TRITON_INTERPRET") == "1"  # conftest: kernels run on CPU tensors
     target_dir = resolve_target_path("tiny-quick")  # built once and cached, as for every tiny-quick test

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def quick():
-    from vat.paths import resolve_target_path
+    from vat.target.model import resolve_target_path
     from vat.target import load_target
 
     path = resolve_target_path("tiny-quick")

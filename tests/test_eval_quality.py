@@ -44,7 +44,7 @@ def test_agreement_and_first_divergence_by_hand():
 
 @pytest.fixture(scope="module")
 def quick():
-    from vat.paths import resolve_target_path
+    from vat.target.model import resolve_target_path
     from vat.target import load_target
 
     path = resolve_target_path("tiny-quick")

@@ -21,7 +21,8 @@ from vat.data_prep.tokenizer_train import ENDOFTEXT, IM_END, IM_START, MASK, PAD
 
 from vat.cli import main as cli_main
 from vat.errors import VatError
-from vat.paths import resolve_target_path, sharegpt_path, tiny_cache_name, tiny_seed, tiny_target_dir, vat_home
+from vat.paths import sharegpt_path, tiny_cache_name, tiny_seed, tiny_target_dir, vat_home
+from vat.target.model import resolve_target_path
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

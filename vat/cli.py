@@ -93,7 +93,7 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="initialisation and data-order seed (default: $VAT_TINY_SEED, else 0)")
     p.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
-    p.set_defaults(func=_dispatch("vat.data_prep.tiny_target:main"))
+    p.set_defaults(func=_dispatch("vat.prep:tiny_target_main"))
 
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:

@@ -34,7 +34,8 @@ def ensure_tiny_data(target_name: str = "tiny", max_length: int = 1024) -> str:
         The dataset directory (``datasets.load_from_disk``).
     """
     from vat.data_prep.chat import prepare_chat
-    from vat.paths import resolve_target_path, sharegpt_path, tiny_cache_name, vat_home
+    from vat.paths import sharegpt_path, tiny_cache_name, vat_home
+    from vat.target.model import resolve_target_path
 
     if target_name not in TINY_DATA_ROWS:
         raise VatError(f"data.train `tiny` needs the embedded target (target.path: tiny), not `{target_name}`")
@@ -94,7 +95,8 @@ def ensure_tiny_regen_data(
         regenerate_file,
     )
     from vat.data_prep.tiny_target import build_lock, spec_for
-    from vat.paths import resolve_target_path, sharegpt_path, tiny_cache_name, tiny_size, vat_home
+    from vat.paths import sharegpt_path, tiny_cache_name, tiny_size, vat_home
+    from vat.target.model import resolve_target_path
 
     if target_name not in TINY_REGEN:
         raise VatError(f"data.train `tiny-regen` needs the embedded target (target.path: tiny), not `{target_name}`")

@@ -77,18 +77,6 @@ def sharegpt_path() -> str:
     return path
 
 
-def resolve_target_path(path: str) -> str:
-    """Map ``"tiny"`` / ``"tiny-quick"`` / ``"tiny-bench"`` to the embedded target's directory (built on first use).
-
-    Any other value (a local directory or a hub name) is returned unchanged.
-    """
-    if path in TINY_TARGET_NAMES:
-        from vat.data_prep.tiny_target import ensure_tiny_target
-
-        return ensure_tiny_target(TINY_TARGET_NAMES[path])
-    return path
-
-
 def recipes_dir() -> str:
     """The folder holding the recipe tree ``<target>/<drafter>_<method>.yaml``.
 

@@ -58,7 +58,7 @@ class Cell:
         """The target directory this cell trains and evaluates on: its method's own, else the bench's."""
         if self.target is None:
             return bench_target
-        from vat.paths import resolve_target_path
+        from vat.target.model import resolve_target_path
 
         return resolve_target_path(self.target)
 

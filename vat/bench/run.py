@@ -168,7 +168,7 @@ def _bench_target(cells: list[Cell], build: bool = True) -> str:
     for, else the one the first draft records, else the first method's own target. ``build=False`` names an embedded
     tiny target's directory without building it."""
     from vat.paths import TINY_TARGET_NAMES, tiny_target_dir
-    from vat.paths import resolve_target_path as resolve
+    from vat.target.model import resolve_target_path as resolve
 
     def resolve_target_path(path: str) -> str:
         return resolve(path) if build or path not in TINY_TARGET_NAMES else tiny_target_dir(TINY_TARGET_NAMES[path])

@@ -28,7 +28,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def _target_dir(path: str) -> str:
     """A local directory holding the target's weights (``tiny`` names resolved, hub names fetched: index + json)."""
-    from vat.paths import resolve_target_path
+    from vat.target.model import resolve_target_path
 
     path = resolve_target_path(path)
     if os.path.isdir(path):

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from vat.data_prep.tiny_target import ensure_tiny_target
 from vat.errors import VatError
+from vat.paths import TINY_TARGET_NAMES
 from vat.target.budget import BudgetSpec, commitment_weights, window_groups
 from vat.target.cache import cache_kwargs, output_cache
 from vat.target.conventions import default_aux_layer_ids
@@ -331,7 +333,4 @@ def _mask_sentinels(model: nn.Module, experts_impl: str) -> None:
 def resolve_target_path(path: str) -> str:
     """``tiny`` / ``tiny-quick`` / ``tiny-bench`` -> the embedded target's directory (built on first use); other paths
     unchanged."""
-    from vat.paths import TINY_TARGET_NAMES
-    from vat.paths import resolve_target_path as resolve
-
-    return resolve(path) if path in TINY_TARGET_NAMES else path
+    return ensure_tiny_target(TINY_TARGET_NAMES[path]) if path in TINY_TARGET_NAMES else path
