@@ -23,8 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def quick():
-    from vat.target.model import resolve_target_path
     from vat.target import load_target
+    from vat.target.model import resolve_target_path
 
     path = resolve_target_path("tiny-quick")
     target = load_target(path, dtype="float32", device="cpu", experts_impl="eager")

@@ -44,8 +44,8 @@ def test_agreement_and_first_divergence_by_hand():
 
 @pytest.fixture(scope="module")
 def quick():
-    from vat.target.model import resolve_target_path
     from vat.target import load_target
+    from vat.target.model import resolve_target_path
 
     path = resolve_target_path("tiny-quick")
     return path, load_target(path, dtype="float32", device="cpu", experts_impl="eager")

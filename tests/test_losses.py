@@ -661,8 +661,8 @@ def test_compact_affinity_table_equals_the_dense_one_on_the_tiny_target(stride):
     """The quick tiny target's routing over a few batches of token ids, folded into the dense fp32 table and the
     compact one (uint16 rows, fp16 table, every `stride`-th MoE layer): the tables agree to fp16 / fixed-point
     rounding, the marginals exactly, and the compact state takes under half the dense bytes."""
-    from vat.target.model import resolve_target_path
     from vat.target import load_target
+    from vat.target.model import resolve_target_path
 
     target = load_target(resolve_target_path("tiny-quick"), dtype="float32", device="cpu", experts_impl="eager")
     L, E, k = len(target.moe_layer_ids), target.num_experts, target.top_k

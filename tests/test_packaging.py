@@ -3,8 +3,8 @@ package directories are mapped, so nothing is discovered), and a package left ou
 missing from a regular one."""
 
 import os
-import tomllib
 
+import tomllib
 from conftest import REPO_ROOT
 
 
