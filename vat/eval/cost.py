@@ -10,7 +10,8 @@ with, in the served dtype (bf16 unless asked otherwise, whatever dtype the CPU e
 
 * bytes = the dense (non-routed-expert) weights once + Σ_l U_l · e_l (the union of experts the forward executed in
   each MoE layer times one expert's weights, the eval's own ``round_bytes`` accounting re-priced) + the KV cache read,
-  (n + T) · kv_per_token;
+  (n + T) · kv_per_token over the layers that attend to the whole context plus min(n + T, W + T) · the windowed
+  layers' KV for sliding-window layers of window W (:func:`attention_terms`: MLA's latent cache for DeepSeek-V3);
 * FLOPs = T · (2 · dense matmul parameters + 2 · k · Σ_l e_l) + T · (n + T) · attention FLOPs per query per key.
 
 A verification round costs its draft forwards (each a forward of the draft: its parameters once, its KV, its FLOPs;
@@ -100,8 +101,12 @@ class ModelShape:
         dense_matmul_params: parameters a token multiplies through outside the routed experts (FLOPs = 2 each).
         expert_params: one routed expert's parameters in each MoE layer, length L' (empty for a dense draft).
         top_k: experts per token.
-        kv_per_token: KV-cache elements per cached position, all layers (Σ_l 2 · kv_heads · head_dim).
-        attn_flops_per_key: attention FLOPs per query per key, all layers (Σ_l 4 · heads · head_dim).
+        kv_per_token: KV-cache elements per cached position, summed over the layers that attend to the whole context
+            (:func:`attention_terms`: 2 · kv_heads · head_dim per layer; MLA's compressed latent for DeepSeek-V3).
+        attn_flops_per_key: attention FLOPs per query per key over those layers (4 · heads · head_dim per layer).
+        window: the sliding window of the windowed layers (0: none), whose keys are at most ``window + T``.
+        window_kv_per_token: KV elements per cached position summed over the windowed layers.
+        window_attn_flops_per_key: attention FLOPs per query per key over the windowed layers.
     """
 
     dense_params: int
@@ -110,22 +115,60 @@ class ModelShape:
     top_k: int
     kv_per_token: int
     attn_flops_per_key: int
+    window: int = 0
+    window_kv_per_token: int = 0
+    window_attn_flops_per_key: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelShape:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        """A shape as recorded (a record written before the windowed terms existed has none)."""
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
-def _attention_dims(config) -> tuple[int, int, int, int]:
-    """(layers, heads, kv_heads, head_dim) of a transformers / vat config."""
+@dataclass(frozen=True)
+class AttentionTerms:
+    """The attention side of :class:`ModelShape`: KV elements per position and FLOPs per query per key, split into
+    layers that attend to the whole context and sliding-window layers."""
+
+    kv_per_token: int
+    attn_flops_per_key: int
+    window: int = 0
+    window_kv_per_token: int = 0
+    window_attn_flops_per_key: int = 0
+
+
+def attention_terms(config) -> AttentionTerms:
+    """KV-cache elements per cached position and attention FLOPs per query per key of a transformers / vat config.
+
+    * Multi-head / grouped-query attention: per layer 2 · kv_heads · head_dim KV elements (K and V) and
+      4 · heads · head_dim FLOPs per key (QKᵀ and AV, 2 FLOPs per multiply-add).
+    * Multi-head latent attention (DeepSeek-V3: ``kv_lora_rank`` set): the cache holds the compressed latent and the
+      decoupled RoPE key, ``kv_lora_rank + qk_rope_head_dim`` elements per layer (576 for DeepSeek-V3; its
+      128 heads' K and V uncompressed would be 128 · (192 + 128) = 40,960); decoding attends in the latent space (the up-projections absorbed into
+      the query and output), 2 · heads · (kv_lora_rank + qk_rope_head_dim) FLOPs for the scores and
+      2 · heads · kv_lora_rank for the values per key.
+    * Sliding-window layers (``layer_types`` entries ``sliding_attention`` with ``sliding_window`` W, as GPT-OSS
+      alternates): their own terms, priced over at most W + T keys (:func:`forward_cost`).
+    """
     layers = int(getattr(config, "num_hidden_layers", 1) or 1)
     heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return layers, heads, kv_heads, head_dim
+    latent = getattr(config, "kv_lora_rank", None)
+    if latent:
+        rope = int(getattr(config, "qk_rope_head_dim", 0) or 0)
+        kv, flops = int(latent) + rope, 2 * heads * (int(latent) + rope) + 2 * heads * int(latent)
+    else:
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        kv, flops = 2 * kv_heads * head_dim, 4 * heads * head_dim
+    kinds = list(getattr(config, "layer_types", None) or [])[:layers]
+    window = int(getattr(config, "sliding_window", None) or 0)
+    windowed = sum(kind == "sliding_attention" for kind in kinds) if window else 0
+    full = layers - windowed
+    return AttentionTerms(kv_per_token=full * kv, attn_flops_per_key=full * flops, window=window if windowed else 0,
+                          window_kv_per_token=windowed * kv, window_attn_flops_per_key=windowed * flops)
 
 
 def target_shape(target) -> ModelShape:
@@ -144,12 +187,8 @@ def target_shape(target) -> ModelShape:
     head = target.lm_head().weight
     untied_embedding = embed.numel() if embed.data_ptr() != head.data_ptr() else 0
     dense = total - routed - untied_embedding
-    layers, heads, kv_heads, head_dim = _attention_dims(target.config)
-    return ModelShape(
-        dense_params=dense, dense_matmul_params=dense, expert_params=expert_params,
-        top_k=int(target.top_k), kv_per_token=2 * layers * kv_heads * head_dim,
-        attn_flops_per_key=4 * layers * heads * head_dim,
-    )
+    return ModelShape(dense_params=dense, dense_matmul_params=dense, expert_params=expert_params,
+                      top_k=int(target.top_k), **asdict(attention_terms(target.config)))
 
 
 def draft_shape(drafter) -> ModelShape | None:
@@ -164,9 +203,8 @@ def draft_shape(drafter) -> ModelShape | None:
     lm_head = getattr(drafter, "lm_head", None)
     if lm_head is not None and not any(lm_head is m for m in drafter.modules()):  # a borrowed (unregistered) head
         params += int(lm_head.weight.numel())
-    layers, heads, kv_heads, head_dim = _attention_dims(drafter.config)
     return ModelShape(dense_params=params, dense_matmul_params=params, expert_params=[], top_k=0,
-                      kv_per_token=2 * layers * kv_heads * head_dim, attn_flops_per_key=4 * layers * heads * head_dim)
+                      **asdict(attention_terms(drafter.config)))
 
 
 def forward_cost(shape: ModelShape, tokens: int, context: int, union: Sequence[int] | None,
@@ -184,11 +222,12 @@ def forward_cost(shape: ModelShape, tokens: int, context: int, union: Sequence[i
         ``(bytes, flops)``.
     """
     keys = context + tokens
+    window_keys = min(keys, shape.window + tokens) if shape.window else 0  # a sliding-window layer's keys
     expert_reads = sum(u * e for u, e in zip(union or [], shape.expert_params))
     weight_bytes = (shape.dense_params + expert_reads) * served_bytes
-    kv_bytes = keys * shape.kv_per_token * served_bytes
+    kv_bytes = (keys * shape.kv_per_token + window_keys * shape.window_kv_per_token) * served_bytes
     flops = tokens * (2 * shape.dense_matmul_params + 2 * shape.top_k * sum(shape.expert_params))
-    flops += tokens * keys * shape.attn_flops_per_key
+    flops += tokens * (keys * shape.attn_flops_per_key + window_keys * shape.window_attn_flops_per_key)
     return float(weight_bytes + kv_bytes), float(flops)
 
 
