@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from vat.data_prep.readers import ReadStats, iter_records
 
@@ -283,7 +284,6 @@ def prepare_chat(
         The stats dict written to ``stats.json``.
     """
     import datasets
-    from tqdm.auto import tqdm
     from vat.data_prep.templates import mask_method
 
     t0 = time.time()
@@ -295,40 +295,90 @@ def prepare_chat(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     read = ReadStats()
+    records, source = _open_records(input, read, hub_kwargs)
+    counts = _RowCounts()
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".vat-prep-", dir=parent)
+    try:
+        if not progress:
+            datasets.disable_progress_bars()
+        raw = _conversations_dataset(
+            lambda: _usable_rows(records, fmt, limit, read, counts, progress), work, input, counts
+        )
+        tokenized = _tokenize_dataset(raw, tokenizer, method, max_length, num_proc)
+        skip_col = tokenized["skip"] if len(tokenized) else []
+        counts.skipped.update(Counter(r for r in skip_col if r))
+        final = tokenized.filter(lambda s: [not x for x in s], input_columns=["skip"], batched=True, batch_size=1000)
+        final = final.remove_columns(["skip"]).select_columns(["input_ids", "loss_mask", "length", "id"])
+        _save_replacing(final, output)
+        tokens = int(sum(final["length"])) if len(final) else 0
+        loss_tokens = _count_loss_tokens(final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not progress:
+            datasets.enable_progress_bars()
+
+    stats = _chat_stats(
+        input, source, tok_path, method, max_length, num_proc, read, counts, len(final), tokens, loss_tokens, t0
+    )
+    with open(os.path.join(output, "stats.json"), "w") as f:
+        json.dump(stats, f, indent=2)
+    return stats
+
+
+@dataclass
+class _RowCounts:
+    """What :func:`_usable_rows` counted (the reader's own malformed values are in its :class:`ReadStats`)."""
+
+    skipped: Counter = field(default_factory=lambda: Counter({r: 0 for r in SKIP_REASONS}))  # rows by skip reason
+    layouts: Counter = field(default_factory=Counter)  # rows by detected layout ("unknown" when none)
+    info: Counter = field(default_factory=Counter)  # dropped leading / trailing turns
+    rows: int = 0  # rows that reached normalisation
+
+
+def _open_records(input: str, read: ReadStats, hub_kwargs: dict | None) -> tuple[Iterator, str]:
+    """The raw rows of a chat file (filling ``read``) or of a ``datasets`` name (``[hf:]name[:split]``), and the
+    source kind: ``"file"`` or ``"datasets"``."""
     if _is_file_input(input):
         require_file(input, "input file")
-        records = iter_records(input, read)
-        source = "file"
-    else:
-        name, _, split = input.removeprefix("hf:").partition(":")
-        records = iter(load_hub_rows(name, split or "train", **(hub_kwargs or {})))
-        source = "datasets"
+        return iter_records(input, read), "file"
+    name, _, split = input.removeprefix("hf:").partition(":")
+    return iter(load_hub_rows(name, split or "train", **(hub_kwargs or {}))), "datasets"
 
-    skipped: Counter = Counter({r: 0 for r in SKIP_REASONS})
-    layouts: Counter = Counter()
-    info: Counter = Counter()
-    seen = Counter()  # rows that reached normalisation (the reader's malformed values are counted by the reader)
 
-    def rows() -> Iterator[dict]:
-        bar = tqdm(desc="read", unit=" rows", disable=not progress)
-        for index, record in enumerate(records):
-            bar.update(1)
-            seen["rows"] += 1
-            if not isinstance(record, dict):
-                skipped["malformed_json"] += 1
+def _usable_rows(
+    records: Iterator, fmt: str, limit: int | None, read: ReadStats, counts: _RowCounts, progress: bool
+) -> Iterator[dict]:
+    """``{"id", "messages"}`` of every row that normalises (:func:`normalize_record`), the others counted by reason in
+    ``counts``; stops after ``limit`` rows read (the reader's malformed values included)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc="read", unit=" rows", disable=not progress)
+    for index, record in enumerate(records):
+        bar.update(1)
+        counts.rows += 1
+        if not isinstance(record, dict):
+            counts.skipped["malformed_json"] += 1
+        else:
+            counts.layouts[detect_layout(record, fmt) or "unknown"] += 1
+            messages, reason, row_info = normalize_record(record, fmt)
+            counts.info.update(row_info)
+            if reason:
+                counts.skipped[reason] += 1
             else:
-                layouts[detect_layout(record, fmt) or "unknown"] += 1
-                messages, reason, row_info = normalize_record(record, fmt)
-                info.update(row_info)
-                if reason:
-                    skipped[reason] += 1
-                else:
-                    row_id = record.get("id", record.get("question_id", record.get("prompt_id")))
-                    messages = [{**m, "truncated": bool(m.get("truncated"))} for m in messages]
-                    yield {"id": str(row_id) if row_id is not None else f"row{index}", "messages": messages}
-            if limit is not None and seen["rows"] + read.malformed_json + read.non_object >= limit:
-                break
-        bar.close()
+                row_id = record.get("id", record.get("question_id", record.get("prompt_id")))
+                messages = [{**m, "truncated": bool(m.get("truncated"))} for m in messages]
+                yield {"id": str(row_id) if row_id is not None else f"row{index}", "messages": messages}
+        if limit is not None and counts.rows + read.malformed_json + read.non_object >= limit:
+            break
+    bar.close()
+
+
+def _conversations_dataset(rows, work: str, input: str, counts: _RowCounts):
+    """``Dataset.from_generator(rows)`` (columns ``id``, ``messages``) cached in ``work``; a :class:`VatError` when no
+    row is usable."""
+    import datasets
 
     features = datasets.Features(
         {
@@ -342,65 +392,78 @@ def prepare_chat(
             ],
         }
     )
-    parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    work = tempfile.mkdtemp(prefix=".vat-prep-", dir=parent)
     try:
-        if not progress:
-            datasets.disable_progress_bars()
-        try:
-            raw = datasets.Dataset.from_generator(rows, features=features, cache_dir=work, fingerprint=uuid.uuid4().hex)
-        except ValueError as err:  # datasets refuses a generator that yields nothing
-            if "corresponds to no data" not in str(err):
-                raise
-            raise VatError(f"no usable conversation in {input} (read {seen['rows']} rows, skipped {dict(skipped)})") from None
-        if len(raw) == 0:
-            tokenized = raw.remove_columns(["messages"]).add_column("skip", [])
-        else:
-            tokenized = raw.map(
-                _tokenize_batch,
-                batched=True,
-                batch_size=64,
-                num_proc=min(num_proc, len(raw)) if num_proc > 1 else None,
-                remove_columns=["messages"],
-                fn_kwargs={"tokenizer": tokenizer, "method": method, "max_length": max_length},
-                features=datasets.Features(
-                    {
-                        "id": datasets.Value("string"),
-                        "input_ids": datasets.Sequence(datasets.Value("int32")),
-                        "loss_mask": datasets.Sequence(datasets.Value("int8")),
-                        "length": datasets.Value("int32"),
-                        "skip": datasets.Value("string"),
-                    }
-                ),
-                new_fingerprint=uuid.uuid4().hex,
-                load_from_cache_file=False,
-                desc="tokenize",
-            )
-        skip_col = tokenized["skip"] if len(tokenized) else []
-        skipped.update(Counter(r for r in skip_col if r))
-        final = tokenized.filter(lambda s: [not x for x in s], input_columns=["skip"], batched=True, batch_size=1000)
-        final = final.remove_columns(["skip"]).select_columns(["input_ids", "loss_mask", "length", "id"])
-        staging = output.rstrip("/") + f".tmp-{uuid.uuid4().hex[:8]}"
-        final.save_to_disk(staging)
-        if os.path.isdir(output):
-            shutil.rmtree(output)
-        os.replace(staging, output)
-        tokens = int(sum(final["length"])) if len(final) else 0
-        loss_tokens = _count_loss_tokens(final)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if not progress:
-            datasets.enable_progress_bars()
+        return datasets.Dataset.from_generator(rows, features=features, cache_dir=work, fingerprint=uuid.uuid4().hex)
+    except ValueError as err:  # datasets refuses a generator that yields nothing
+        if "corresponds to no data" not in str(err):
+            raise
+        raise VatError(
+            f"no usable conversation in {input} (read {counts.rows} rows, skipped {dict(counts.skipped)})"
+        ) from None
 
+
+def _tokenize_dataset(raw, tokenizer, method: str, max_length: int, num_proc: int):
+    """``raw``'s conversations as ``id``, ``input_ids``, ``loss_mask``, ``length`` and ``skip`` (reason or "")."""
+    import datasets
+
+    if len(raw) == 0:
+        return raw.remove_columns(["messages"]).add_column("skip", [])
+    return raw.map(
+        _tokenize_batch,
+        batched=True,
+        batch_size=64,
+        num_proc=min(num_proc, len(raw)) if num_proc > 1 else None,
+        remove_columns=["messages"],
+        fn_kwargs={"tokenizer": tokenizer, "method": method, "max_length": max_length},
+        features=datasets.Features(
+            {
+                "id": datasets.Value("string"),
+                "input_ids": datasets.Sequence(datasets.Value("int32")),
+                "loss_mask": datasets.Sequence(datasets.Value("int8")),
+                "length": datasets.Value("int32"),
+                "skip": datasets.Value("string"),
+            }
+        ),
+        new_fingerprint=uuid.uuid4().hex,
+        load_from_cache_file=False,
+        desc="tokenize",
+    )
+
+
+def _save_replacing(ds, output: str) -> None:
+    """``ds.save_to_disk(output)``, written beside it first so an earlier dataset there is replaced only when done."""
+    staging = output.rstrip("/") + f".tmp-{uuid.uuid4().hex[:8]}"
+    ds.save_to_disk(staging)
+    if os.path.isdir(output):
+        shutil.rmtree(output)
+    os.replace(staging, output)
+
+
+def _chat_stats(
+    input: str,
+    source: str,
+    tok_path: str | None,
+    method: str,
+    max_length: int,
+    num_proc: int,
+    read: ReadStats,
+    counts: _RowCounts,
+    rows_kept: int,
+    tokens: int,
+    loss_tokens: int,
+    t0: float,
+) -> dict:
+    """The stats of :func:`prepare_chat` (the reader's malformed values added to the skipped rows, so that
+    ``rows_read == rows_kept + sum(skipped)``; a mismatch is logged as an error)."""
+    skipped = counts.skipped
     # Malformed values seen by the file reader never reached normalisation.
     skipped["malformed_json"] += read.malformed_json + read.non_object
-    rows_read = seen["rows"] + read.malformed_json + read.non_object
-    if rows_read != len(final) + sum(skipped.values()):  # an accounting bug, not bad input: say so loudly
+    rows_read = counts.rows + read.malformed_json + read.non_object
+    if rows_read != rows_kept + sum(skipped.values()):  # an accounting bug, not bad input: say so loudly
         logger.error(
-            "row accounting mismatch: read %d != kept %d + skipped %d", rows_read, len(final), sum(skipped.values())
+            "row accounting mismatch: read %d != kept %d + skipped %d", rows_read, rows_kept, sum(skipped.values())
         )
-    stats = {
+    return {
         "input": input,
         "source": source,
         "tokenizer": tok_path,
@@ -408,23 +471,20 @@ def prepare_chat(
         "max_length": max_length,
         "num_proc": num_proc,
         "rows_read": rows_read,
-        "rows_kept": len(final),
+        "rows_kept": rows_kept,
         "skipped": dict(skipped),
         "truncated_tail": {
             "truncated": read.truncated_tail,
             "at_char": read.truncated_at_char,
             "tail_chars": read.truncated_tail_chars,
         },
-        "layouts": dict(layouts),
-        "dropped_leading_turns": info["dropped_leading_turns"],
-        "dropped_trailing_turns": info["dropped_trailing_turns"],
+        "layouts": dict(counts.layouts),
+        "dropped_leading_turns": counts.info["dropped_leading_turns"],
+        "dropped_trailing_turns": counts.info["dropped_trailing_turns"],
         "tokens_kept": tokens,
         "loss_tokens_kept": loss_tokens,
         "seconds": round(time.time() - t0, 2),
     }
-    with open(os.path.join(output, "stats.json"), "w") as f:
-        json.dump(stats, f, indent=2)
-    return stats
 
 
 def _count_loss_tokens(ds) -> int:

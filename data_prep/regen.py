@@ -32,6 +32,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 from vat.data_prep.chat import normalize_record
@@ -512,52 +513,88 @@ def regenerate_file(
     read = ReadStats()
     counts: Counter = Counter()
     start_counts = Counter(regenerator.counts)
-    pending: list[tuple[str, list[dict]]] = []
-
-    def flush(f) -> None:
-        convs = regenerator.regenerate([m for _, m in pending], progress=bar)
-        for (row_id, _), msgs in zip(pending, convs):
-            if any(m["role"] == "assistant" for m in msgs):
-                f.write(json.dumps(to_sharegpt(row_id, msgs), ensure_ascii=False) + "\n")
-                counts["written"] += 1
-            else:
-                counts["skipped_nothing_generated"] += 1
-        f.flush()
-        bar.update(len(pending))
-        pending.clear()
-
     bar = tqdm(desc="regen", unit=" conv", disable=not progress, total=limit)
-    seen_in_run: set[str] = set()
     with open(output, "a", encoding="utf-8") as f:
-        for index, record in enumerate(iter_records(input, read)):
-            if limit is not None and index >= limit:
-                break
-            counts["read"] += 1
-            row_id = str(record.get("id", f"row{index}"))
-            if row_id in done:
-                counts["already_done"] += 1
-                bar.update(1)
-                continue
-            if row_id in seen_in_run:
-                counts["skipped_duplicate_id"] += 1
-                continue
-            messages, reason, _ = normalize_record(record)
-            if reason:
-                counts[f"skipped_{reason}"] += 1
-                continue
-            seen_in_run.add(row_id)
-            pending.append((row_id, messages))
-            if len(pending) >= pool_size:
-                flush(f)
-        if pending:
-            flush(f)
+        for pool in _new_conversation_pools(input, read, done, limit, pool_size, counts, bar):
+            _regenerate_pool(f, regenerator, pool, counts, bar)
     bar.close()
     counts["read"] += read.malformed_json + read.non_object
     counts["skipped_malformed_json"] += read.malformed_json + read.non_object
     seconds = time.time() - t0
     gen = regenerator.counts - start_counts  # this run only (a Regenerator may be reused)
+    stats = _regen_stats(input, output, regenerator, counts, gen, read, pool_size, seconds)
+    with open(output + ".stats.json", "w") as fs:
+        json.dump(stats, fs, indent=2)
+    logger.info(
+        "regen: %d conversations, %d new tokens in %.1f s (%.0f new tokens/s)",
+        counts["written"],
+        stats["new_tokens"],
+        seconds,
+        stats["new_tokens_per_second"],
+    )
+    return stats
+
+
+def _new_conversation_pools(
+    input: str, read: ReadStats, done: set[str], limit: int | None, pool_size: int, counts: Counter, bar
+) -> Iterator[list[tuple[str, list[dict]]]]:
+    """The conversations of ``input``'s first ``limit`` rows still to regenerate, as pools of ``pool_size``
+    ``(id, messages)`` (the last pool may be smaller). Rows already in the output (``done``), repeated ids and unusable
+    rows are counted in ``counts`` and skipped; ``bar`` advances over the rows already done; the reader fills
+    ``read``."""
+    pending: list[tuple[str, list[dict]]] = []
+    seen_in_run: set[str] = set()
+    for index, record in enumerate(iter_records(input, read)):
+        if limit is not None and index >= limit:
+            break
+        counts["read"] += 1
+        row_id = str(record.get("id", f"row{index}"))
+        if row_id in done:
+            counts["already_done"] += 1
+            bar.update(1)
+            continue
+        if row_id in seen_in_run:
+            counts["skipped_duplicate_id"] += 1
+            continue
+        messages, reason, _ = normalize_record(record)
+        if reason:
+            counts[f"skipped_{reason}"] += 1
+            continue
+        seen_in_run.add(row_id)
+        pending.append((row_id, messages))
+        if len(pending) >= pool_size:
+            yield pending
+            pending = []
+    if pending:
+        yield pending
+
+
+def _regenerate_pool(f, regenerator: Regenerator, pool: list[tuple[str, list[dict]]], counts: Counter, bar) -> None:
+    """Regenerate one pool and append its conversations to ``f`` (one ShareGPT line each, in input order)."""
+    convs = regenerator.regenerate([m for _, m in pool], progress=bar)
+    for (row_id, _), msgs in zip(pool, convs):
+        if any(m["role"] == "assistant" for m in msgs):
+            f.write(json.dumps(to_sharegpt(row_id, msgs), ensure_ascii=False) + "\n")
+            counts["written"] += 1
+        else:
+            counts["skipped_nothing_generated"] += 1
+    f.flush()
+    bar.update(len(pool))
+
+
+def _regen_stats(
+    input: str,
+    output: str,
+    regenerator: Regenerator,
+    counts: Counter,
+    gen: Counter,
+    read: ReadStats,
+    pool_size: int,
+    seconds: float,
+) -> dict:
+    """The stats of :func:`regenerate_file`: row counts, this run's generation counts, settings and throughput."""
     new_tokens = int(gen.get("new_tokens", 0))
-    stats = {
+    return {
         "input": input,
         "output": output,
         **{k: counts[k] for k in ("read", "written", "already_done")},
@@ -575,16 +612,6 @@ def regenerate_file(
         "new_tokens_per_second": round(new_tokens / seconds, 1) if seconds > 0 else 0.0,
         "conversations_per_second": round(counts["written"] / seconds, 3) if seconds > 0 else 0.0,
     }
-    with open(output + ".stats.json", "w") as fs:
-        json.dump(stats, fs, indent=2)
-    logger.info(
-        "regen: %d conversations, %d new tokens in %.1f s (%.0f new tokens/s)",
-        counts["written"],
-        new_tokens,
-        seconds,
-        stats["new_tokens_per_second"],
-    )
-    return stats
 
 
 @contextlib.contextmanager

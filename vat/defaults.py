@@ -10,6 +10,7 @@ sampled at temperature 1 (the data of a draft served with sampling). All are pre
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from vat.errors import VatError
 
@@ -84,19 +85,58 @@ def ensure_tiny_regen_data(
     Returns:
         The dataset directory (``datasets.load_from_disk``).
     """
-    import torch
-
     from vat.data_prep.chat import prepare_chat
-    from vat.data_prep.regen import (
-        DEFAULT_BATCH_SIZE,
-        Regenerator,
-        cpu_threads,
-        load_generator_model,
-        regenerate_file,
-    )
-    from vat.data_prep.tiny_target import build_lock, spec_for
-    from vat.paths import sharegpt_path, tiny_cache_name, tiny_size, vat_home
+    from vat.data_prep.tiny_target import build_lock
+    from vat.paths import vat_home
     from vat.target.model import resolve_target_path
+
+    plan = _tiny_regen_plan(target_name, conversations, max_new_tokens, max_length, max_turns, temperature)
+    data_dir = os.path.join(vat_home(), "data")
+    out = os.path.join(data_dir, f"{plan.name}-{max_length}")
+    if os.path.exists(os.path.join(out, "stats.json")):
+        return out
+    regen_file = os.path.join(data_dir, f"{plan.name}.jsonl")  # independent of max_length: shared by every cut
+    # the lock is the regen file's, not the cut's: two runs wanting different max_length cuts of the same regen
+    # file must not both append to it (each skips only the ids done when it started)
+    with build_lock(regen_file):
+        if os.path.exists(os.path.join(out, "stats.json")):  # built while we waited
+            return out
+        target_dir = resolve_target_path(target_name)
+        print(
+            f"[vat] regenerating {plan.conversations} ShareGPT conversations with the {target_name} target -> "
+            f"{regen_file}"
+        )
+        source = _tiny_regen_source(target_name, plan, data_dir)
+        _regenerate_tiny_answers(target_dir, source, regen_file, plan, batch_size, progress, temperature)
+        tmp = out + ".tmp"
+        prepare_chat(regen_file, target_dir, tmp, max_length=max_length, progress=progress)
+        os.replace(tmp, out)  # complete or absent: an interrupted tokenisation is redone (the regen file is kept)
+    return out
+
+
+@dataclass(frozen=True)
+class _TinyRegenPlan:
+    """The settings of one tiny-regen build (:func:`ensure_tiny_regen_data`), defaults filled in."""
+
+    conversations: int  # ShareGPT rows read
+    max_new_tokens: int  # generation budget per reply
+    max_turns: int  # assistant turns per conversation (0 = all)
+    max_prompt_tokens: int  # longest prompt regenerated
+    code_fraction: float  # share of standard-library code chats in the source (0 = plain ShareGPT)
+    name: str  # the cache name: every setting, so a change builds anew
+
+
+def _tiny_regen_plan(
+    target_name: str,
+    conversations: int | None,
+    max_new_tokens: int | None,
+    max_length: int,
+    max_turns: int | None,
+    temperature: float,
+) -> _TinyRegenPlan:
+    """Fill in :data:`TINY_REGEN`'s defaults, cap the prompts to the target's context and name the build."""
+    from vat.data_prep.tiny_target import spec_for
+    from vat.paths import tiny_cache_name, tiny_size
 
     if target_name not in TINY_REGEN:
         raise VatError(f"data.train `tiny-regen` needs the embedded target (target.path: tiny), not `{target_name}`")
@@ -115,52 +155,64 @@ def ensure_tiny_regen_data(
         name += f"-code{code_fraction:g}"
     if temperature > 0:
         name += f"-T{temperature:g}"
-    data_dir = os.path.join(vat_home(), "data")
-    out = os.path.join(data_dir, f"{name}-{max_length}")
-    if os.path.exists(os.path.join(out, "stats.json")):
-        return out
-    regen_file = os.path.join(data_dir, f"{name}.jsonl")  # independent of max_length: shared by every cut
-    # the lock is the regen file's, not the cut's: two runs wanting different max_length cuts of the same regen
-    # file must not both append to it (each skips only the ids done when it started)
-    with build_lock(regen_file):
-        if os.path.exists(os.path.join(out, "stats.json")):  # built while we waited
-            return out
-        target_dir = resolve_target_path(target_name)
-        print(
-            f"[vat] regenerating {conversations} ShareGPT conversations with the {target_name} target -> {regen_file}"
-        )
-        source = sharegpt_path()
-        if code_fraction:  # ShareGPT's first rows with code chats interleaved, written once
-            from vat.data_prep.code_chats import write_mixed_source
+    return _TinyRegenPlan(conversations, max_new_tokens, max_turns, max_prompt_tokens, code_fraction, name)
 
-            spec = spec_for(tiny_size(target_name))
-            source = os.path.join(data_dir, f"{tiny_cache_name(target_name)}-regen-source-c{conversations}-"
-                                            f"code{code_fraction:g}.jsonl")
-            if not os.path.exists(source):
-                write_mixed_source(sharegpt_path(), source, conversations, code_fraction,
-                                   heldout=spec.code_heldout, max_chars=spec.max_code_chars)
-        model, tokenizer = load_generator_model(target_dir)
-        regen = Regenerator(
-            model,
-            tokenizer,
-            max_new_tokens=max_new_tokens,
-            max_prompt_tokens=max_prompt_tokens,
-            max_turns=max_turns or None,
-            batch_size=batch_size or DEFAULT_BATCH_SIZE,
-            temperature=temperature,
-        )
-        torch.manual_seed(0)
-        with cpu_threads(1 if next(model.parameters()).device.type == "cpu" else None):
-            stats = regenerate_file(source, regen_file, regen, limit=conversations, progress=progress)
-        print(
-            f"[vat] regen: {stats['written']} conversations written ({stats['already_done']} from an earlier run), "
-            f"{stats['new_tokens']} new tokens in {stats['seconds']:.0f} s ({stats['new_tokens_per_second']:.0f} tok/s)"
-        )
-        del model
-        tmp = out + ".tmp"
-        prepare_chat(regen_file, target_dir, tmp, max_length=max_length, progress=progress)
-        os.replace(tmp, out)  # complete or absent: an interrupted tokenisation is redone (the regen file is kept)
-    return out
+
+def _tiny_regen_source(target_name: str, plan: _TinyRegenPlan, data_dir: str) -> str:
+    """The chat file to regenerate: ShareGPT, or its first rows with code chats interleaved (written once)."""
+    from vat.data_prep.tiny_target import spec_for
+    from vat.paths import sharegpt_path, tiny_cache_name, tiny_size
+
+    source = sharegpt_path()
+    if plan.code_fraction:  # ShareGPT's first rows with code chats interleaved, written once
+        from vat.data_prep.code_chats import write_mixed_source
+
+        spec = spec_for(tiny_size(target_name))
+        source = os.path.join(data_dir, f"{tiny_cache_name(target_name)}-regen-source-c{plan.conversations}-"
+                                        f"code{plan.code_fraction:g}.jsonl")
+        if not os.path.exists(source):
+            write_mixed_source(sharegpt_path(), source, plan.conversations, plan.code_fraction,
+                               heldout=spec.code_heldout, max_chars=spec.max_code_chars)
+    return source
+
+
+def _regenerate_tiny_answers(
+    target_dir: str,
+    source: str,
+    regen_file: str,
+    plan: _TinyRegenPlan,
+    batch_size: int | None,
+    progress: bool,
+    temperature: float,
+) -> None:
+    """Append the target's answers to ``source``'s first conversations to ``regen_file`` (seeded; resumable)."""
+    import torch
+
+    from vat.data_prep.regen import (
+        DEFAULT_BATCH_SIZE,
+        Regenerator,
+        cpu_threads,
+        load_generator_model,
+        regenerate_file,
+    )
+
+    model, tokenizer = load_generator_model(target_dir)
+    regen = Regenerator(
+        model,
+        tokenizer,
+        max_new_tokens=plan.max_new_tokens,
+        max_prompt_tokens=plan.max_prompt_tokens,
+        max_turns=plan.max_turns or None,
+        batch_size=batch_size or DEFAULT_BATCH_SIZE,
+        temperature=temperature,
+    )
+    torch.manual_seed(0)
+    with cpu_threads(1 if next(model.parameters()).device.type == "cpu" else None):
+        stats = regenerate_file(source, regen_file, regen, limit=plan.conversations, progress=progress)
+    print(
+        f"[vat] regen: {stats['written']} conversations written ({stats['already_done']} from an earlier run), "
+        f"{stats['new_tokens']} new tokens in {stats['seconds']:.0f} s ({stats['new_tokens_per_second']:.0f} tok/s)"
+    )
 
 
 def resolve_train_data(name: str, target_name: str, max_length: int) -> str:

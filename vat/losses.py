@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -455,43 +455,91 @@ def vat_objective(
         verification = simulate_verification(
             draft_logits, target, valid, acceptance=switches.acceptance, generator=generator
         )
-
-    # stop-gradient position weights
-    with torch.no_grad():
-        base = switches.base_weights(K, dev)  # (K,)
-        if switches.adaptive_weights or switches.prefix_only:
-            w = adaptive_weights(verification.kstar_probs, base, prefix_only=switches.prefix_only)  # (..., K)
-        else:
-            w = base.expand(valid.shape)  # (..., K)
-        imit = valid & (target.argmax_draft >= 0)  # (..., K)
-        if imitation_mask is not None:
-            imit = imit & imitation_mask.bool()
-        wm = w * imit.float()  # (..., K)
-        weight_sum = wm.sum()
-        anchors = imit.any(-1).float().sum()  # N: anchors with at least one imitation position
-        if switches.imitation_norm == "weight_sum":  # the imitation term's divisor
-            denom = weight_sum.clamp_min(1e-6)
-        else:
-            denom = anchors.clamp_min(1.0)
+    weights = _imitation_weights(verification, target, valid, switches, imitation_mask, K, dev)
 
     metrics: dict[str, Tensor] = {}
     loss = draft_logits.new_zeros((), dtype=torch.float32)
     if switches.soft_weight or switches.hard_weight:
-        logq = draft_logits.float().log_softmax(-1)  # (..., K, V_d)
-        per_pos = torch.zeros_like(logq[..., 0])  # (..., K)
-        if switches.soft_weight:
-            per_pos = per_pos + switches.soft_weight * -(target.probs * logq).sum(-1)
-        if switches.hard_weight:
-            ids = target.argmax_draft.clamp_min(0).unsqueeze(-1)  # (..., K, 1)
-            per_pos = per_pos + switches.hard_weight * -logq.gather(-1, ids).squeeze(-1)
-        per_pos = torch.where(imit, per_pos, torch.zeros_like(per_pos))  # (..., K)
-        loss = loss + (wm * per_pos).sum() / denom
+        per_pos = _imitation_per_position(draft_logits, target, weights.imit, switches)  # (..., K)
+        loss = loss + (weights.wm * per_pos).sum() / weights.denom
         metrics["loss_k_sum"] = per_pos.detach().sum(lead) if lead else per_pos.detach()
-        metrics["loss_k_count"] = imit.float().sum(lead) if lead else imit.float()
-    metrics["weight_sum"] = weight_sum
-    metrics["imitation_anchors"] = anchors
+        metrics["loss_k_count"] = weights.imit.float().sum(lead) if lead else weights.imit.float()
+    metrics["weight_sum"] = weights.weight_sum
+    metrics["imitation_anchors"] = weights.anchors
     metrics.update(verification.metrics())
 
+    loss = _add_vh_term(loss, metrics, vh_logits, verification, switches)
+
+    logged: Tensor | None = None  # the objective as logged: the union term without the grad_ratio scale
+    if switches.union_weight and (affinity is None or anchor_routing is None):
+        raise ValueError("union_weight > 0 needs the affinity table and the anchors' routing")
+    if affinity is not None and anchor_routing is not None:
+        u = _union_inputs(draft_logits, target, valid, verification, anchor_routing, weights.wm, union_anchors)
+        loss, logged = _add_union_term(loss, metrics, u, affinity, switches, weights.denom)
+    metrics["objective_sum"] = (logged if logged is not None else loss.detach()).float()
+    metrics["objective_count"] = torch.ones((), device=dev)
+    return loss, metrics
+
+
+class _ImitationWeights(NamedTuple):
+    """The stop-gradient position weights of the imitation term (see :func:`_imitation_weights`)."""
+
+    imit: Tensor  # (..., K) bool: imitation positions (valid, target argmax in the draft vocab, extra mask)
+    wm: Tensor  # (..., K) adaptive or base weights times the imitation mask
+    weight_sum: Tensor  # () Σ ŵ over imitation positions
+    anchors: Tensor  # () N: anchors with at least one imitation position
+    denom: Tensor  # () the imitation term's divisor (N, or the weight sum), clamped positive
+
+
+@torch.no_grad()
+def _imitation_weights(
+    verification: VerificationResult,
+    target: TargetDist,
+    valid: Tensor,
+    switches: LossSwitches,
+    imitation_mask: Tensor | None,
+    K: int,
+    dev: torch.device,
+) -> _ImitationWeights:
+    """Position weights ŵ (adaptive from k*, or the base schedule), the imitation mask and the term's divisor."""
+    base = switches.base_weights(K, dev)  # (K,)
+    if switches.adaptive_weights or switches.prefix_only:
+        w = adaptive_weights(verification.kstar_probs, base, prefix_only=switches.prefix_only)  # (..., K)
+    else:
+        w = base.expand(valid.shape)  # (..., K)
+    imit = valid & (target.argmax_draft >= 0)  # (..., K)
+    if imitation_mask is not None:
+        imit = imit & imitation_mask.bool()
+    wm = w * imit.float()  # (..., K)
+    weight_sum = wm.sum()
+    anchors = imit.any(-1).float().sum()  # N: anchors with at least one imitation position
+    if switches.imitation_norm == "weight_sum":  # the imitation term's divisor
+        denom = weight_sum.clamp_min(1e-6)
+    else:
+        denom = anchors.clamp_min(1.0)
+    return _ImitationWeights(imit, wm, weight_sum, anchors, denom)
+
+
+def _imitation_per_position(draft_logits: Tensor, target: TargetDist, imit: Tensor, switches: LossSwitches) -> Tensor:
+    """``(..., K)`` unweighted imitation loss ``soft_weight·ℓ_soft + hard_weight·ℓ_hard``, 0 off the imitation mask."""
+    logq = draft_logits.float().log_softmax(-1)  # (..., K, V_d)
+    per_pos = torch.zeros_like(logq[..., 0])  # (..., K)
+    if switches.soft_weight:
+        per_pos = per_pos + switches.soft_weight * -(target.probs * logq).sum(-1)
+    if switches.hard_weight:
+        ids = target.argmax_draft.clamp_min(0).unsqueeze(-1)  # (..., K, 1)
+        per_pos = per_pos + switches.hard_weight * -logq.gather(-1, ids).squeeze(-1)
+    return torch.where(imit, per_pos, torch.zeros_like(per_pos))  # (..., K)
+
+
+def _add_vh_term(
+    loss: Tensor,
+    metrics: dict[str, Tensor],
+    vh_logits: Tensor | None,
+    verification: VerificationResult,
+    switches: LossSwitches,
+) -> Tensor:
+    """``loss`` plus ``vh_weight·L_VH`` (when weighted); the BCE is logged into ``metrics`` whenever ``vh_logits``."""
     if switches.vh_weight and vh_logits is None:
         raise ValueError("vh_weight > 0 needs vh_logits (the drafter's verification head)")
     if vh_logits is not None:
@@ -500,48 +548,91 @@ def vat_objective(
             loss = loss + switches.vh_weight * bce_sum / bce_count.clamp_min(1.0)
         metrics["vh_bce_sum"] = bce_sum.detach()
         metrics["vh_bce_count"] = bce_count
+    return loss
 
-    logged: Tensor | None = None  # the objective as logged: the union term without the grad_ratio scale
-    if switches.union_weight and (affinity is None or anchor_routing is None):
-        raise ValueError("union_weight > 0 needs the affinity table and the anchors' routing")
-    if affinity is not None and anchor_routing is not None:
-        u_logits, u_routing, u_valid, u_anchor = draft_logits, anchor_routing, valid, verification.anchor_valid
-        u_target, u_wm = target, wm
-        if union_anchors is not None:  # the union term on a subset of anchors: (N, K, L', E) grows with L'·E
-            u_logits = draft_logits.reshape(-1, K, draft_logits.shape[-1])[union_anchors]  # (M, K, V_d)
-            u_routing = anchor_routing.reshape(-1, *anchor_routing.shape[-2:])[union_anchors]  # (M, L', E)
-            u_valid = valid.reshape(-1, K)[union_anchors]  # (M, K)
-            u_anchor = verification.anchor_valid.reshape(-1)[union_anchors]  # (M,)
-            u_target = target.apply(lambda x: x.reshape(-1, K, *x.shape[valid.dim():])[union_anchors])
-            u_wm = wm.reshape(-1, K)[union_anchors]  # (M, K)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(switches.union_weight)):
-            a = expected_expert_use(u_logits, affinity, switches.union_top_m, is_logits=True)  # (..., K, L', E)
-            union = soft_union(a, u_routing, u_valid)  # (..., L')
-            penalty, u_sum, u_count = union_penalty(union, affinity.shape[-1], u_anchor)
-        if switches.union_weight:
-            scale = torch.ones((), device=dev)
-            if switches.union_norm == "grad_ratio" and penalty.requires_grad:
-                g_imit = imitation_logit_grad(u_logits.detach(), u_target, u_wm, switches, denom)
-                (g_union,) = torch.autograd.grad(penalty, u_logits, retain_graph=True)
-                raw = union_grad_scale(g_imit, g_union)
-                scale = raw.clamp_max(switches.union_scale_max)
-                metrics["union_scale_raw_sum"] = raw.detach()
-                metrics["union_scale_raw_count"] = torch.ones((), device=dev)
-                metrics["union_clamped_sum"] = (raw > switches.union_scale_max).float()
-                metrics["union_clamped_count"] = torch.ones((), device=dev)
-            # the logged objective takes the union term unscaled: s is ~1e7 when a fresh draft's union gradient is
-            # near zero, which bounds the gradient but would make the logged number meaningless
-            logged = loss.detach() + switches.union_weight * penalty.detach()
-            loss = loss + switches.union_weight * scale * penalty
-            metrics["union_scale_sum"] = scale.detach()
-            metrics["union_scale_count"] = torch.ones((), device=dev)
-            metrics["union_loss_sum"] = penalty.detach().float()
-            metrics["union_loss_count"] = torch.ones((), device=dev)
-        metrics["union_sim_sum"] = u_sum
-        metrics["union_sim_count"] = u_count
-    metrics["objective_sum"] = (logged if logged is not None else loss.detach()).float()
-    metrics["objective_count"] = torch.ones((), device=dev)
-    return loss, metrics
+
+class _UnionInputs(NamedTuple):
+    """The union term's inputs: every anchor, or the ``union_anchors`` subset (leading dims flattened to ``M``)."""
+
+    logits: Tensor  # (..., K, V_d) draft logits
+    routing: Tensor  # (..., L', E) anchor routing
+    valid: Tensor  # (..., K)
+    anchor_valid: Tensor  # (...,)
+    target: TargetDist  # fields (..., K[, V_d])
+    wm: Tensor  # (..., K) imitation weights (for the grad_ratio scale)
+
+
+def _union_inputs(
+    draft_logits: Tensor,
+    target: TargetDist,
+    valid: Tensor,
+    verification: VerificationResult,
+    anchor_routing: Tensor,
+    wm: Tensor,
+    union_anchors: Tensor | None,
+) -> _UnionInputs:
+    """The union term's inputs, restricted to ``union_anchors`` when given (None = all anchors)."""
+    if union_anchors is None:
+        return _UnionInputs(draft_logits, anchor_routing, valid, verification.anchor_valid, target, wm)
+    # the union term on a subset of anchors: (N, K, L', E) grows with L'·E
+    K = draft_logits.shape[-2]
+    return _UnionInputs(
+        logits=draft_logits.reshape(-1, K, draft_logits.shape[-1])[union_anchors],  # (M, K, V_d)
+        routing=anchor_routing.reshape(-1, *anchor_routing.shape[-2:])[union_anchors],  # (M, L', E)
+        valid=valid.reshape(-1, K)[union_anchors],  # (M, K)
+        anchor_valid=verification.anchor_valid.reshape(-1)[union_anchors],  # (M,)
+        target=target.apply(lambda x: x.reshape(-1, K, *x.shape[valid.dim():])[union_anchors]),
+        wm=wm.reshape(-1, K)[union_anchors],  # (M, K)
+    )
+
+
+def _add_union_term(
+    loss: Tensor,
+    metrics: dict[str, Tensor],
+    u: _UnionInputs,
+    affinity: Tensor,
+    switches: LossSwitches,
+    denom: Tensor,
+) -> tuple[Tensor, Tensor | None]:
+    """``loss`` plus ``λ·s·L_union`` (when weighted) and the logged objective (its union term unscaled; None when the
+    union is only logged). ``union_*`` metrics go into ``metrics``."""
+    dev = u.logits.device
+    logged: Tensor | None = None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and bool(switches.union_weight)):
+        a = expected_expert_use(u.logits, affinity, switches.union_top_m, is_logits=True)  # (..., K, L', E)
+        union = soft_union(a, u.routing, u.valid)  # (..., L')
+        penalty, u_sum, u_count = union_penalty(union, affinity.shape[-1], u.anchor_valid)
+    if switches.union_weight:
+        scale = _union_scale(penalty, u, switches, denom, metrics)
+        # the logged objective takes the union term unscaled: s is ~1e7 when a fresh draft's union gradient is
+        # near zero, which bounds the gradient but would make the logged number meaningless
+        logged = loss.detach() + switches.union_weight * penalty.detach()
+        loss = loss + switches.union_weight * scale * penalty
+        metrics["union_scale_sum"] = scale.detach()
+        metrics["union_scale_count"] = torch.ones((), device=dev)
+        metrics["union_loss_sum"] = penalty.detach().float()
+        metrics["union_loss_count"] = torch.ones((), device=dev)
+    metrics["union_sim_sum"] = u_sum
+    metrics["union_sim_count"] = u_count
+    return loss, logged
+
+
+def _union_scale(
+    penalty: Tensor, u: _UnionInputs, switches: LossSwitches, denom: Tensor, metrics: dict[str, Tensor]
+) -> Tensor:
+    """``()`` the stop-gradient scale s of the union term: the bounded grad_ratio (logged in ``metrics``), else 1."""
+    dev = u.logits.device
+    scale = torch.ones((), device=dev)
+    if switches.union_norm == "grad_ratio" and penalty.requires_grad:
+        g_imit = imitation_logit_grad(u.logits.detach(), u.target, u.wm, switches, denom)
+        (g_union,) = torch.autograd.grad(penalty, u.logits, retain_graph=True)
+        raw = union_grad_scale(g_imit, g_union)
+        scale = raw.clamp_max(switches.union_scale_max)
+        metrics["union_scale_raw_sum"] = raw.detach()
+        metrics["union_scale_raw_count"] = torch.ones((), device=dev)
+        metrics["union_clamped_sum"] = (raw > switches.union_scale_max).float()
+        metrics["union_clamped_count"] = torch.ones((), device=dev)
+    return scale
 
 
 @torch.no_grad()

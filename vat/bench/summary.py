@@ -506,9 +506,24 @@ def _percent(value: float | None) -> str:
 
 def markdown(summary: dict) -> str:
     """bench.md: one table per benchmark (and budget), then the curve table."""
+    conf = round(100 * summary["interval"]["confidence"])
+    lines = _intro_lines(summary, conf)
+    lines += _variant_lines(summary)
+    labels = summary["methods"] + summary["baselines"]
+    train = summary["train"]
+    for budget in summary["budgets"]:
+        for bench in summary["benchmarks"]:
+            lines += _bench_lines(summary, labels, train, budget, bench, conf)
+    lines += _front_lines(summary, conf)
+    lines += _curve_lines(summary)
+    lines += _train_lines(train)
+    return "\n".join(lines)
+
+
+def _intro_lines(summary: dict, conf: int) -> list[str]:
+    """The title, the partial-bench warning, the settings and how to read the tables, and the free drafts."""
     ref = summary["reference"]
     progress = summary["progress"]
-    conf = round(100 * summary["interval"]["confidence"])
     ev = summary["settings"]["eval"]
     lines = [f"# vat bench: {summary['name']}", ""]
     if not progress["complete"]:
@@ -529,94 +544,131 @@ def markdown(summary: dict) -> str:
     free = summary.get("free_drafts") or {}
     if free:
         lines += ["Free drafts: " + "; ".join(_free_draft_text(k, v) for k, v in free.items()) + ".", ""]
+    return lines
+
+
+def _variant_lines(summary: dict) -> list[str]:
+    """The table of methods with an existing draft, their own target or eval overrides ([] when there are none)."""
     variants = [(label, m) for label, m in summary["settings"].get("methods", {}).items()
                 if m.get("draft") or m.get("target") or any(v is not None for v in (m.get("eval") or {}).values())]
-    if variants:
-        own_targets = any(m.get("target") for _, m in variants)
-        lines += ["Methods that evaluate an existing draft, run on their own target and/or override the bench's eval "
-                  "settings" + (" (a method on its own target is compared with the reference as a target + draft "
-                                "pair)" if own_targets else "") + ":", "",
-                  "| method | draft | " + ("target | " if own_targets else "") + "eval overrides |",
-                  "|---|---|" + ("---|" if own_targets else "") + "---|"]
-        for label, m in variants:
-            overrides = ", ".join(f"{k}={v}" for k, v in (m.get("eval") or {}).items() if v is not None) or "–"
-            target = f"{m.get('target') or 'the bench target'} | " if own_targets else ""
-            lines.append(f"| {label} | {m.get('draft') or 'trained: ' + str(m.get('recipe'))} | {target}{overrides} |")
-        lines.append("")
-    labels = summary["methods"] + summary["baselines"]
-    train = summary["train"]
-    for budget in summary["budgets"]:
-        for bench in summary["benchmarks"]:
-            title = bench if budget == NO_BUDGET else f"{bench}, expert budget B = {budget}"
-            free = [b for b in summary["baselines"] if b != "none"]
-            best = (summary.get("best_free") or {}).get(budget, {}).get(bench)
-            # a grid of free drafts shows its best one (bench.json keeps the ratio to each)
-            versus = [*(free if len(free) <= 2 else [best] if best else []), *summary.get("compare", [])]
-            budgeted = budget != NO_BUDGET
-            quality_head = "agreement | stepwise agreement | KL to natural | " if budgeted else ""
-            lines += [f"## {title}", ""]
-            if budgeted:
-                lines += ["Quality beside τ, pooled over seeds and prompts: agreement = per-token agreement with the "
-                          "natural greedy output of the same prompt, stepwise agreement = share of the budgeted "
-                          "output's tokens the natural target picks greedily after the same prefix, KL to natural = "
-                          "KL(budgeted ‖ natural) of the next-token distribution on the target's own text, nats per "
-                          "token.", ""]
-            rows_here = [summary["results"].get(label, {}).get(budget, {}).get(bench) for label in labels]
-            modeled = any(r and "modeled_speedup" in r for r in rows_here)
-            acc = "/".join(summary.get("cost_models") or []) or "?"
-            cost_head = (f"expert MiB/token [{conf} % CI] | modeled {acc} speed-up over AR [{conf} % CI] | "
-                         f"modeled speed-up / {ref} [{conf} % CI] | ") if modeled else ""
-            lines += [f"| method | τ [{conf} % CI] | {quality_head}{cost_head}ratio to {ref} [{conf} % CI] | "
-                      + "".join(f"ratio to {b}{' (best free)' if b == best and len(free) > 1 else ''} "
-                                f"[{conf} % CI] | " for b in versus) + "seeds | train min/draft |",
-                      "|---|---|" + "---|---|---|" * budgeted + "---|---|---|" * modeled + "---|" + "---|" * len(versus)
-                      + "---|---|"]
-            for label in labels:
-                stats = summary["results"].get(label, {}).get(budget, {}).get(bench)
-                if stats is None:
-                    continue
-                ratio = stats["ratio"]
-                shown = "1 (reference)" if ratio and ratio.get("reference") else _ratio_cell(ratio, budget)
-                seeds = str(len(stats["seeds"])) if stats["seeds"] else "–"
-                minutes = f"{train[label]['minutes_per_draft']:.2f}" if label in train else "–"
-                against = "".join(f"{_ratio_cell(stats.get('versus', {}).get(b), budget)} | " for b in versus)
-                # a budgeted row always has its quality cells: {} (not measured) when the eval.json had none
-                quality = _quality_cells((stats.get("quality") or {}) if budgeted else None)
-                cost = ""
-                if modeled:
-                    mratio = ("1 (reference)" if ratio and ratio.get("reference")
-                              else _ratio_cell(stats.get("modeled_ratio"), budget))
-                    cost = (f"{_fmt(stats.get('expert_mib_per_token'), 2)} | {_fmt(stats.get('modeled_speedup'))} | "
-                            f"{mratio} | ")
-                lines.append(f"| {label} | {_tau_cell(stats)} | {quality}{cost}{shown} | {against}{seeds} | "
-                             f"{minutes} |")
-            lines.append("")
-            checks = {label: r["lossless"] for label, r in zip(labels, rows_here) if r and r.get("lossless")}
-            if checks:
-                verdict = "lossless" if all(c["identical"] == c["compared"] for c in checks.values()) else "NOT lossless"
-                lines += [f"Greedy outputs against autoregressive decoding (same prompts, output hashes): {verdict}: "
-                          + ", ".join(f"{k} {c['identical']}/{c['compared']}" for k, c in checks.items()) + ".", ""]
-    lines += _front_lines(summary, conf)
-    if summary["curve"]:
-        lines += ["## τ against training tokens", "",
-                  "Checkpoints evaluated on the curve's prompt subset, τ pooled over benchmarks; mean over seeds and "
-                  "the range.", "",
-                  "| method | step | training tokens | τ mean | τ min–max | seeds |", "|---|---|---|---|---|---|"]
-        for label, points in summary["curve"].items():
-            for p in points:
-                spread = "–" if p["tau_min"] is None else f"{p['tau_min']:.3f}–{p['tau_max']:.3f}"
-                mean = "–" if p["tau_mean"] is None else f"{p['tau_mean']:.3f}"
-                lines.append(f"| {label} | {p['step']} | {p['tokens']:,.0f} | {mean} | {spread} | {len(p['per_seed'])} |")
-        lines.append("")
-    if train:
-        lines += ["## Training", "", "| method | drafts | steps | training tokens/draft | wall min/draft | final τ_sim |",
-                  "|---|---|---|---|---|---|"]
-        for label, t in train.items():
-            tau_sim = "–" if t["final_tau_sim"] is None else f"{t['final_tau_sim']:.3f}"
-            lines.append(f"| {label} | {t['drafts']} | {t['steps']} | {t['tokens_per_draft']:,.0f} | "
-                         f"{t['minutes_per_draft']:.2f} | {tau_sim} |")
-        lines.append("")
-    return "\n".join(lines)
+    if not variants:
+        return []
+    own_targets = any(m.get("target") for _, m in variants)
+    lines = ["Methods that evaluate an existing draft, run on their own target and/or override the bench's eval "
+             "settings" + (" (a method on its own target is compared with the reference as a target + draft "
+                           "pair)" if own_targets else "") + ":", "",
+             "| method | draft | " + ("target | " if own_targets else "") + "eval overrides |",
+             "|---|---|" + ("---|" if own_targets else "") + "---|"]
+    for label, m in variants:
+        overrides = ", ".join(f"{k}={v}" for k, v in (m.get("eval") or {}).items() if v is not None) or "–"
+        target = f"{m.get('target') or 'the bench target'} | " if own_targets else ""
+        lines.append(f"| {label} | {m.get('draft') or 'trained: ' + str(m.get('recipe'))} | {target}{overrides} |")
+    lines.append("")
+    return lines
+
+
+def _bench_lines(summary: dict, labels: list[str], train: dict, budget: str, bench: str, conf: int) -> list[str]:
+    """One benchmark's section at one budget: its title, the quality note, the τ table (a row per label with results)
+    and the lossless check."""
+    title = bench if budget == NO_BUDGET else f"{bench}, expert budget B = {budget}"
+    free = [b for b in summary["baselines"] if b != "none"]
+    best = (summary.get("best_free") or {}).get(budget, {}).get(bench)
+    # a grid of free drafts shows its best one (bench.json keeps the ratio to each)
+    versus = [*(free if len(free) <= 2 else [best] if best else []), *summary.get("compare", [])]
+    budgeted = budget != NO_BUDGET
+    lines = [f"## {title}", ""]
+    if budgeted:
+        lines += ["Quality beside τ, pooled over seeds and prompts: agreement = per-token agreement with the "
+                  "natural greedy output of the same prompt, stepwise agreement = share of the budgeted "
+                  "output's tokens the natural target picks greedily after the same prefix, KL to natural = "
+                  "KL(budgeted ‖ natural) of the next-token distribution on the target's own text, nats per "
+                  "token.", ""]
+    rows_here = [summary["results"].get(label, {}).get(budget, {}).get(bench) for label in labels]
+    modeled = any(r and "modeled_speedup" in r for r in rows_here)
+    lines += _table_head(summary, conf, versus, best, len(free) > 1, budgeted, modeled)
+    for label in labels:
+        stats = summary["results"].get(label, {}).get(budget, {}).get(bench)
+        if stats is None:
+            continue
+        lines.append(_table_row(label, stats, train, budget, versus, budgeted, modeled))
+    lines.append("")
+    lines += _lossless_lines(labels, rows_here)
+    return lines
+
+
+def _table_head(summary: dict, conf: int, versus: list[str], best: str | None, several_free: bool, budgeted: bool,
+                modeled: bool) -> list[str]:
+    """The header and separator rows of a τ table."""
+    ref = summary["reference"]
+    quality_head = "agreement | stepwise agreement | KL to natural | " if budgeted else ""
+    acc = "/".join(summary.get("cost_models") or []) or "?"
+    cost_head = (f"expert MiB/token [{conf} % CI] | modeled {acc} speed-up over AR [{conf} % CI] | "
+                 f"modeled speed-up / {ref} [{conf} % CI] | ") if modeled else ""
+    return [f"| method | τ [{conf} % CI] | {quality_head}{cost_head}ratio to {ref} [{conf} % CI] | "
+            + "".join(f"ratio to {b}{' (best free)' if b == best and several_free else ''} "
+                      f"[{conf} % CI] | " for b in versus) + "seeds | train min/draft |",
+            "|---|---|" + "---|---|---|" * budgeted + "---|---|---|" * modeled + "---|" + "---|" * len(versus)
+            + "---|---|"]
+
+
+def _table_row(label: str, stats: dict, train: dict, budget: str, versus: list[str], budgeted: bool,
+               modeled: bool) -> str:
+    """One method's row of a τ table (``train``: the summary's training record, for the minutes per draft)."""
+    ratio = stats["ratio"]
+    shown = "1 (reference)" if ratio and ratio.get("reference") else _ratio_cell(ratio, budget)
+    seeds = str(len(stats["seeds"])) if stats["seeds"] else "–"
+    minutes = f"{train[label]['minutes_per_draft']:.2f}" if label in train else "–"
+    against = "".join(f"{_ratio_cell(stats.get('versus', {}).get(b), budget)} | " for b in versus)
+    # a budgeted row always has its quality cells: {} (not measured) when the eval.json had none
+    quality = _quality_cells((stats.get("quality") or {}) if budgeted else None)
+    cost = ""
+    if modeled:
+        mratio = ("1 (reference)" if ratio and ratio.get("reference")
+                  else _ratio_cell(stats.get("modeled_ratio"), budget))
+        cost = (f"{_fmt(stats.get('expert_mib_per_token'), 2)} | {_fmt(stats.get('modeled_speedup'))} | "
+                f"{mratio} | ")
+    return f"| {label} | {_tau_cell(stats)} | {quality}{cost}{shown} | {against}{seeds} | {minutes} |"
+
+
+def _lossless_lines(labels: list[str], rows: list[dict | None]) -> list[str]:
+    """The greedy-output check against autoregressive decoding under a τ table ([] when no row has one)."""
+    checks = {label: r["lossless"] for label, r in zip(labels, rows) if r and r.get("lossless")}
+    if not checks:
+        return []
+    verdict = "lossless" if all(c["identical"] == c["compared"] for c in checks.values()) else "NOT lossless"
+    return [f"Greedy outputs against autoregressive decoding (same prompts, output hashes): {verdict}: "
+            + ", ".join(f"{k} {c['identical']}/{c['compared']}" for k, c in checks.items()) + ".", ""]
+
+
+def _curve_lines(summary: dict) -> list[str]:
+    """The τ-against-training-tokens section ([] without a curve)."""
+    if not summary["curve"]:
+        return []
+    lines = ["## τ against training tokens", "",
+             "Checkpoints evaluated on the curve's prompt subset, τ pooled over benchmarks; mean over seeds and "
+             "the range.", "",
+             "| method | step | training tokens | τ mean | τ min–max | seeds |", "|---|---|---|---|---|---|"]
+    for label, points in summary["curve"].items():
+        for p in points:
+            spread = "–" if p["tau_min"] is None else f"{p['tau_min']:.3f}–{p['tau_max']:.3f}"
+            mean = "–" if p["tau_mean"] is None else f"{p['tau_mean']:.3f}"
+            lines.append(f"| {label} | {p['step']} | {p['tokens']:,.0f} | {mean} | {spread} | {len(p['per_seed'])} |")
+    lines.append("")
+    return lines
+
+
+def _train_lines(train: dict) -> list[str]:
+    """The training section: drafts, steps, tokens and wall time per method ([] when nothing was trained)."""
+    if not train:
+        return []
+    lines = ["## Training", "", "| method | drafts | steps | training tokens/draft | wall min/draft | final τ_sim |",
+             "|---|---|---|---|---|---|"]
+    for label, t in train.items():
+        tau_sim = "–" if t["final_tau_sim"] is None else f"{t['final_tau_sim']:.3f}"
+        lines.append(f"| {label} | {t['drafts']} | {t['steps']} | {t['tokens_per_draft']:,.0f} | "
+                     f"{t['minutes_per_draft']:.2f} | {tau_sim} |")
+    lines.append("")
+    return lines
 
 
 def _front_lines(summary: dict, conf: int) -> list[str]:
