@@ -1,4 +1,4 @@
-"""The training-time vs eval-time acceptance gap under an expert budget, for one trained draft (DESIGN §6).
+"""The training-time vs eval-time acceptance gap under an expert budget, for one trained draft (docs/vat_losses.md).
 
     python benchmarks/budget_gap.py RUN [--budget B] [--eval EVAL_JSON] [--batches 4] [--output gap.json]
 

@@ -1,4 +1,4 @@
-"""Shared test set-up. TRITON_INTERPRET must be set before any kernel module is imported (DESIGN §11.7)."""
+"""Shared test set-up. TRITON_INTERPRET must be set before any kernel module is imported (docs/kernels.md)."""
 
 import json
 import os

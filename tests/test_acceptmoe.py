@@ -1,4 +1,4 @@
-"""AcceptMoE (policy ``acceptmoe``, algorithms.md §4.2): commitment weights from block depths, the self-sized eligible
+"""AcceptMoE (policy ``acceptmoe``, docs/verification_policies.md): commitment weights from block depths, the self-sized eligible
 set against a per-layer Python reference written from the paper's formula, its effective-rank sizing on hand cases,
 the reduction to MoE-Spec (α ≡ 1, |S| = B, score demand, no anchor) through the real router hook, and the anchor."""
 

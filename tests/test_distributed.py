@@ -1,4 +1,4 @@
-"""Multi-process training is the same training at any world size (DESIGN §9), with real gloo processes on CPU.
+"""Multi-process training is the same training at any world size (docs/architecture.md), with real gloo processes on CPU.
 
 vat's objective is a mean over each micro-batch's anchors, and one optimizer step averages its micro-batches: DDP
 averages the ranks' gradients, accumulation divides each micro-batch's loss by ``grad_accum``. So the global batch of a

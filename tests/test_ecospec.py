@@ -1,4 +1,4 @@
-"""EcoSpec (``--tree-policy ecospec``, algorithms.md §4.1): at λ = 0 its selection is the confidence selection on
+"""EcoSpec (``--tree-policy ecospec``, docs/verification_policies.md): at λ = 0 its selection is the confidence selection on
 real drafted trees (same nodes, same order); at any λ it stays prefix-closed, follows the expected-new-experts cost
 on a hand pool, and greedy decoding stays lossless (token for token the target's own greedy decode)."""
 

@@ -1,4 +1,4 @@
-"""Quality under an expert budget (DESIGN §7): the metrics on hand-computed cases, the KL equal to `vat profile`'s,
+"""Quality under an expert budget (docs/eval.md): the metrics on hand-computed cases, the KL equal to `vat profile`'s,
 and `vat eval` on the quick tiny target writing them for every budgeted row."""
 
 from __future__ import annotations

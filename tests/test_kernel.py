@@ -35,7 +35,7 @@ def natural_routing(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> t
 
 def budget_set(logits: torch.Tensor, budget: int, top_k: int) -> torch.Tensor:
     """S: the window's natural union if it has at most ``budget`` experts, else its top-``budget`` experts by summed
-    softmax mass (DESIGN §3). ``(|S|,)``"""
+    softmax mass (docs/verification_policies.md). ``(|S|,)``"""
     probs = logits.float().softmax(-1)  # (T, E)
     union = probs.topk(top_k, dim=-1).indices.unique()
     return union if union.numel() <= budget else probs.sum(0).topk(budget).indices

@@ -1,4 +1,4 @@
-"""Window Pool (DESIGN §13): pooled routing, gradients, the written target, training, resume and the perplexity grid."""
+"""Window Pool (docs/window_pool.md): pooled routing, gradients, the written target, training, resume and the perplexity grid."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EcoSpec (algorithms.md §4.1): cost-aware selection of the EAGLE dynamic tree's nodes; lossless.
+"""EcoSpec (docs/verification_policies.md): cost-aware selection of the EAGLE dynamic tree's nodes; lossless.
 
 Confidence-only selection (:func:`vat.eval.tree.best_nodes`) keeps the ``total_tokens`` nodes of highest cumulative
 draft log-probability. High-probability siblings often route to disjoint experts ("expert scattering"), which inflates

@@ -1,4 +1,4 @@
-"""EVICT (algorithms.md §4.3): lossless truncation of a draft chain or tree before verification.
+"""EVICT (docs/eval.md): lossless truncation of a draft chain or tree before verification.
 
 Each drafted node i gets an acceptance estimate P_i: the drafter's path probability (the product of the draft's
 probabilities along the path: ``exp(score)`` of a tree node), or, for a draft with a verification head, the head's

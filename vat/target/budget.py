@@ -12,7 +12,7 @@ Coverage: a token none of whose natural top-k experts is in S ("uncovered") woul
 plain truncation; ``truncate`` reroutes such a token by substitution instead (MoE-Spec's coverage intent: every token
 is served by the budget set), and both policies count these tokens (``TargetOutput.n_uncovered``).
 
-Policy ``acceptmoe`` (AcceptMoE, algorithms.md §4.2; an eval-time verifier policy, not a training one) is the same
+Policy ``acceptmoe`` (AcceptMoE, docs/verification_policies.md; an eval-time verifier policy, not a training one) is the same
 hook with another selection: per window, commitment-weighted demand u_e = Σ_t α_t r_{t,e} 1[e ∈ K_t] with
 α_t = p̂_{d_t}^β · N_{d_t}^{-1/2} (:func:`commitment_weights`, from each token's depth in its window), the eligible set
 S = A ∪ top-n(R) (A = the root's natural top-k, R = the other experts ranked by u; n = ⌈exp(entropy of u over R)⌉
@@ -42,7 +42,7 @@ SIZE_TOLERANCE = 1e-6  # ⌈exp(H) - tol⌉: a uniform demand over m experts giv
 
 @dataclass
 class AcceptMoESpec:
-    """AcceptMoE's commitment weighting (algorithms.md §4.2), the selection of policy ``acceptmoe``.
+    """AcceptMoE's commitment weighting (docs/verification_policies.md), the selection of policy ``acceptmoe``.
 
     Attributes:
         commitment: p̂_d for draft depth d = 1, 2, ...: the offline-estimated probability that a node at depth d
