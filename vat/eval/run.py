@@ -396,8 +396,58 @@ def run_eval(
     Returns:
         The eval.json dict (schema in ``docs/eval.md``).
     """
-    from vat.eval.benchmarks import load_benchmark
+    settings = _check_settings(batch_size=batch_size, steps=steps, temperature=temperature, tree=tree,
+                               tree_policy=tree_policy, verify_cost=verify_cost, cost_model=cost_model,
+                               served_dtype=served_dtype, budgets=budgets, affinity=affinity, policy=policy,
+                               commitment=commitment)
+    start = time.time()
+    run = _set_up(target, drafts, settings, ngram=NgramSpec(n_max=ngram_n, n_min=ngram_min, rule=ngram_rule),
+                  vh_threshold=vh_threshold, ecospec_lambda=ecospec_lambda, affinity=affinity, commitment=commitment,
+                  tokenizer=tokenizer, dtype=dtype, device=device, experts_impl=experts_impl, device_map=device_map,
+                  autoregressive=autoregressive, max_new_tokens=max_new_tokens, seed=seed, progress=progress,
+                  reference_cache=reference_cache)
+    collected = _Collected()
+    gen_file = None
+    if output:
+        os.makedirs(output, exist_ok=True)
+        gen_file = open(os.path.join(output, "generations.jsonl"), "w")
+    saved_aux_ids = list(run.target.aux_layer_ids)  # each draft sets the features it reads; restored below
+    try:
+        for spec in benchmarks:
+            _evaluate_benchmark(run, spec, limit, gen_file, collected)
+    finally:
+        run.target.aux_layer_ids = saved_aux_ids
+        if gen_file is not None:
+            gen_file.close()
+    recorded = _settings_record(run, vh_threshold=vh_threshold, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
+                                ecospec_lambda=ecospec_lambda, affinity=affinity, commitment=commitment)
+    result = _result(run, collected, recorded, device_map=device_map, seconds=time.time() - start)
+    if output:
+        from vat.eval.report import write_outputs
 
+        write_outputs(result, output, plots=plots)
+    return result
+
+
+@dataclass
+class _Settings:
+    """``run_eval``'s checked settings that the passes share (the rest are recorded as given)."""
+
+    steps: int
+    temperature: float
+    tree: TreeSpec | None
+    tree_policy: str
+    verify_cost: str | None
+    cost_model: str | None
+    served_dtype: str
+    budgets: list[int | str | None]
+    policy: str
+
+
+def _check_settings(*, batch_size: int, steps: int, temperature: float, tree, tree_policy: str,
+                    verify_cost: str | None, cost_model: str | None, served_dtype: str, budgets, affinity,
+                    policy: str, commitment) -> _Settings:
+    """Every setting checked before anything loads: one clear line for the first bad one."""
     if batch_size != 1:
         raise VatError(
             f"--batch-size {batch_size}: vat eval decodes one prompt at a time (batch size 1, as EAGLE's and "
@@ -420,163 +470,229 @@ def run_eval(
         raise VatError(f"--verify-cost {verify_cost}: no such file (write it with `vat profile --verify-widths ...`)")
     budget_list = parse_budgets(budgets) if isinstance(budgets, str) else list(budgets)
     _check_policies(tree_spec, tree_policy, affinity, policy, budget_list, commitment)
-    ngram_spec = NgramSpec(n_max=ngram_n, n_min=ngram_min, rule=ngram_rule)
-    start = time.time()
+    return _Settings(steps=steps, temperature=temperature, tree=tree_spec, tree_policy=tree_policy,
+                     verify_cost=verify_cost, cost_model=cost_model, served_dtype=served_dtype, budgets=budget_list,
+                     policy=policy)
 
-    entries = _load_drafts(list(drafts), ngram_spec)
+
+@dataclass
+class _Run:
+    """What every benchmark of one ``run_eval`` shares: the loaded target, tokenizer and drafts, the passes to run
+    (draft x budget), and the cost model / EVICT profile (EVICT's, when profiled on the fly, is set by the first
+    benchmark)."""
+
+    settings: _Settings
+    target: Any
+    tok: Any
+    eos: Any
+    entries: list[DraftEntry]
+    configs: list[RunConfig]
+    block: int  # the longest verification block: which prompts fit
+    max_positions: int | None
+    bytes_per_layer: list[int]
+    cost: Any
+    evict: Any
+    max_new_tokens: int
+    seed: int
+    progress: bool
+    reference_cache: str | None
+
+
+@dataclass
+class _Collected:
+    """What the benchmarks' passes add up to, in eval.json's layout."""
+
+    results: dict[str, dict[str, dict]] = dataclasses.field(default_factory=dict)  # label -> budget -> bench -> metrics
+    per_prompt: dict[str, dict[str, dict[str, list]]] = dataclasses.field(default_factory=dict)
+    all_runs: dict[tuple[str, str], list[PromptRun]] = dataclasses.field(default_factory=dict)
+    skipped: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    bench_names: list[str] = dataclasses.field(default_factory=list)
+    quality_reference: dict[str, dict] = dataclasses.field(default_factory=dict)  # where the natural output came from
+    pooled_quality: dict[tuple[str, str], dict[str, float]] = dataclasses.field(default_factory=dict)
+    examples: dict[str, dict] = dataclasses.field(default_factory=dict)  # the first prompt and its first answer
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)  # what load_benchmark read each one from
+
+
+def _set_up(target, drafts, settings: _Settings, *, ngram: NgramSpec, vh_threshold, ecospec_lambda, affinity,
+            commitment, tokenizer, dtype, device, experts_impl, device_map, autoregressive: bool,
+            max_new_tokens: int, seed: int, progress: bool, reference_cache: str | None) -> _Run:
+    """Load the drafts, the target and its tokenizer; list the passes (the AR pass first when it runs)."""
+    entries = _load_drafts(list(drafts), ngram)
     eagle = [d for d in entries if not d.is_free]
     target_obj = _load_target(target, eagle, dtype, device, ngram=len(eagle) < len(entries),
                               experts_impl=experts_impl, device_map=device_map)
     _attach(eagle, target_obj, vh_threshold)
-    _attach_policies(eagle, target_obj, tree_spec, tree_policy, ecospec_lambda, affinity, policy, commitment)
+    _attach_policies(eagle, target_obj, settings.tree, settings.tree_policy, ecospec_lambda, affinity,
+                     settings.policy, commitment)
     tok = _load_tokenizer(tokenizer, target_obj)
-    eos = eos_token_ids(tok, target_obj.model)
     # the AR pass is the denominator of speedup_vs_ar; a caller that measures AR once elsewhere (vat bench) skips it
     # unless `none` is asked for by name
     asked_ar = any(isinstance(d, str) and d.lower() == AR_LABEL for d in drafts)
     configs = [RunConfig(DraftEntry(AR_LABEL, None), None)] if autoregressive or asked_ar or not entries else []
-    configs += [RunConfig(d, b) for d in entries for b in budget_list]
-    # the longest verification block decides which prompts fit (n-gram drafts are chains of `steps`)
-    block = 1 + max([_drafted_per_round(d, steps, tree_spec) for d in entries] or [0])
-    max_positions = getattr(target_obj.config, "max_position_embeddings", None)
-    bytes_per_layer = target_obj.expert_bytes_per_layer()
-    E = target_obj.num_experts
-    cost, evict = _cost_and_evict(target_obj, cost_model, served_dtype, tree_policy, verify_cost)
+    configs += [RunConfig(d, b) for d in entries for b in settings.budgets]
+    cost, evict = _cost_and_evict(target_obj, settings.cost_model, settings.served_dtype, settings.tree_policy,
+                                  settings.verify_cost)
+    return _Run(
+        settings=settings, target=target_obj, tok=tok, eos=eos_token_ids(tok, target_obj.model), entries=entries,
+        configs=configs,
+        # n-gram drafts are chains of `steps`
+        block=1 + max([_drafted_per_round(d, settings.steps, settings.tree) for d in entries] or [0]),
+        max_positions=getattr(target_obj.config, "max_position_embeddings", None),
+        bytes_per_layer=target_obj.expert_bytes_per_layer(), cost=cost, evict=evict, max_new_tokens=max_new_tokens,
+        seed=seed, progress=progress, reference_cache=reference_cache,
+    )
 
-    gen_file = None
-    if output:
-        os.makedirs(output, exist_ok=True)
-        gen_file = open(os.path.join(output, "generations.jsonl"), "w")
-    saved_aux_ids = list(target_obj.aux_layer_ids)  # each draft sets the features it reads; restored below
-    results: dict[str, dict[str, dict]] = {}
-    per_prompt: dict[str, dict[str, dict[str, list]]] = {}
-    all_runs: dict[tuple[str, str], list[PromptRun]] = {}
-    skipped: dict[str, dict[str, int]] = {}
-    bench_names: list[str] = []
-    quality_reference: dict[str, dict] = {}  # benchmark -> where the natural output came from, its extra seconds
-    pooled_quality: dict[tuple[str, str], dict[str, float]] = {}  # (label, budget) -> quality counts
-    examples: dict[str, dict] = {}  # benchmark -> the first prompt and its first configuration's answer
-    sources: dict[str, str] = {}  # benchmark -> what load_benchmark read it from (a file's absolute path)
-    try:
-        for spec in benchmarks:
-            loaded = load_benchmark(spec, limit=limit)
-            name = loaded[0].benchmark
-            base = spec.rsplit("@", 1)[0] if not os.path.exists(spec) else spec  # the split is in the name already
-            if not os.path.exists(spec) and ":" in base and not base.startswith("hf:"):
-                name += ":" + base.rsplit(":", 1)[1]  # a category filter
-            name = _unique(name, bench_names)
-            prompts = [p for p in loaded if _fits(tok, p, max_new_tokens, block, max_positions)]
-            skipped[name] = {"too_long": len(loaded) - len(prompts)}
-            if not prompts:
-                warnings.warn(f"benchmark {name}: every prompt is too long for the target; skipped", stacklevel=2)
-                continue
-            bench_names.append(name)
-            sources[name] = os.path.abspath(spec) if os.path.exists(spec) else spec
-            if evict is not None and evict[1] is None:  # EVICT's profile, on the fly: this benchmark's first prompts
-                evict = (evict[0], _profile_on_the_fly(target_obj, tok, prompts, max_new_tokens, block, evict[0]))
-            bench_runs: dict[int, list[PromptRun]] = {}
-            for index, config in enumerate(configs):
-                engine = _engine(target_obj, config, steps=steps, tree=tree_spec, temperature=temperature,
-                                 policy=policy, max_new_tokens=max_new_tokens, eos=eos, evict=evict)
-                runs = _run_config(engine, tok, prompts, config, name, temperature, seed, gen_file, progress,
-                                   bytes_per_layer)
-                bench_runs[index] = runs
-                metrics = summarize(runs, bytes_per_layer, E)
-                metrics["categories"] = by_category(runs, bytes_per_layer, E)
-                results.setdefault(config.draft.label, {}).setdefault(config.budget_label, {})[name] = metrics
-                # benchmark prompt order, the same for every draft and budget: runs pair by index (`vat bench`)
-                per_prompt.setdefault(config.draft.label, {}).setdefault(config.budget_label, {})[name] = [
-                    prompt_totals(run, bytes_per_layer) for run in runs
-                ]
-                if cost is not None:
-                    from vat.eval.cost import add_costs
 
-                    add_costs(cost, engine, runs, metrics, per_prompt[config.draft.label][config.budget_label][name])
-                all_runs.setdefault((config.draft.label, config.budget_label), []).extend(runs)
-            first = bench_runs[0][0]  # the first configuration's answer to the first prompt: what was predicted
-            examples[name] = {"question": prompts[0].turns[0], "answer": decode(tok, first.turns[0].token_ids),
-                              "draft": configs[0].draft.label, "budget": configs[0].budget_label}
-            cache = None
-            if reference_cache is not None and temperature == 0:
-                cache = (reference_cache, *reference_key(target_obj, tok, name, prompts,
-                                                         max_new_tokens=max_new_tokens, eos=eos))
-            if any(c.budget is not None for c in configs):
-                reference, source, ref_seconds = _natural_reference(
-                    target_obj, configs, bench_runs, tok, prompts, temperature=temperature, seed=seed, policy=policy,
-                    max_new_tokens=max_new_tokens, eos=eos, steps=steps, progress=progress, cache=cache)
-                quality_reference[name] = {"source": source, "seconds": ref_seconds}
-                _add_quality(target_obj, configs, bench_runs, reference, name, results, per_prompt, pooled_quality,
-                             steps=steps, tree_spec=tree_spec, policy=policy, greedy=temperature == 0,
-                             source=source, progress=progress)
-            elif cache is not None and (lossless := _lossless_run(configs, bench_runs)) is not None:
-                save_reference(*cache, lossless[0])  # for a later budgeted run of the same prompts
-    finally:
-        target_obj.aux_layer_ids = saved_aux_ids
-        if gen_file is not None:
-            gen_file.close()
+def _benchmark_prompts(run: _Run, spec: str, limit: int | None, out: _Collected) -> tuple[str, list]:
+    """A benchmark's name (with its category filter, unique in this run) and the prompts that fit the target."""
+    from vat.eval.benchmarks import load_benchmark
 
+    loaded = load_benchmark(spec, limit=limit)
+    name = loaded[0].benchmark
+    base = spec.rsplit("@", 1)[0] if not os.path.exists(spec) else spec  # the split is in the name already
+    if not os.path.exists(spec) and ":" in base and not base.startswith("hf:"):
+        name += ":" + base.rsplit(":", 1)[1]  # a category filter
+    name = _unique(name, out.bench_names)
+    prompts = [p for p in loaded if _fits(run.tok, p, run.max_new_tokens, run.block, run.max_positions)]
+    out.skipped[name] = {"too_long": len(loaded) - len(prompts)}
+    return name, prompts
+
+
+def _evaluate_benchmark(run: _Run, spec: str, limit: int | None, gen_file, out: _Collected) -> None:
+    """Every pass (draft x budget) over one benchmark's prompts, then the quality of the budgeted passes."""
+    s = run.settings
+    name, prompts = _benchmark_prompts(run, spec, limit, out)
+    if not prompts:
+        warnings.warn(f"benchmark {name}: every prompt is too long for the target; skipped", stacklevel=3)
+        return
+    out.bench_names.append(name)
+    out.sources[name] = os.path.abspath(spec) if os.path.exists(spec) else spec
+    if run.evict is not None and run.evict[1] is None:  # EVICT's profile, on the fly: this benchmark's first prompts
+        run.evict = (run.evict[0], _profile_on_the_fly(run.target, run.tok, prompts, run.max_new_tokens, run.block,
+                                                       run.evict[0]))
+    bench_runs: dict[int, list[PromptRun]] = {}
+    for index, config in enumerate(run.configs):
+        bench_runs[index] = _evaluate_pass(run, config, name, prompts, gen_file, out)
+    first = bench_runs[0][0]  # the first configuration's answer to the first prompt: what was predicted
+    out.examples[name] = {"question": prompts[0].turns[0], "answer": decode(run.tok, first.turns[0].token_ids),
+                          "draft": run.configs[0].draft.label, "budget": run.configs[0].budget_label}
+    cache = None
+    if run.reference_cache is not None and s.temperature == 0:
+        cache = (run.reference_cache, *reference_key(run.target, run.tok, name, prompts,
+                                                     max_new_tokens=run.max_new_tokens, eos=run.eos))
+    if any(c.budget is not None for c in run.configs):
+        reference, source, ref_seconds = _natural_reference(
+            run.target, run.configs, bench_runs, run.tok, prompts, temperature=s.temperature, seed=run.seed,
+            policy=s.policy, max_new_tokens=run.max_new_tokens, eos=run.eos, steps=s.steps, progress=run.progress,
+            cache=cache)
+        out.quality_reference[name] = {"source": source, "seconds": ref_seconds}
+        _add_quality(run.target, run.configs, bench_runs, reference, name, out.results, out.per_prompt,
+                     out.pooled_quality, steps=s.steps, tree_spec=s.tree, policy=s.policy,
+                     greedy=s.temperature == 0, source=source, progress=run.progress)
+    elif cache is not None and (lossless := _lossless_run(run.configs, bench_runs)) is not None:
+        save_reference(*cache, lossless[0])  # for a later budgeted run of the same prompts
+
+
+def _evaluate_pass(run: _Run, config: RunConfig, name: str, prompts: list, gen_file,
+                   out: _Collected) -> list[PromptRun]:
+    """One draft under one budget over one benchmark: its metrics, per-prompt counts and (with a cost model) costs."""
+    s = run.settings
+    E = run.target.num_experts
+    engine = _engine(run.target, config, steps=s.steps, tree=s.tree, temperature=s.temperature, policy=s.policy,
+                     max_new_tokens=run.max_new_tokens, eos=run.eos, evict=run.evict)
+    runs = _run_config(engine, run.tok, prompts, config, name, s.temperature, run.seed, gen_file, run.progress,
+                       run.bytes_per_layer)
+    metrics = summarize(runs, run.bytes_per_layer, E)
+    metrics["categories"] = by_category(runs, run.bytes_per_layer, E)
+    label, budget = config.draft.label, config.budget_label
+    out.results.setdefault(label, {}).setdefault(budget, {})[name] = metrics
+    # benchmark prompt order, the same for every draft and budget: runs pair by index (`vat bench`)
+    out.per_prompt.setdefault(label, {}).setdefault(budget, {})[name] = [
+        prompt_totals(r, run.bytes_per_layer) for r in runs
+    ]
+    if run.cost is not None:
+        from vat.eval.cost import add_costs
+
+        add_costs(run.cost, engine, runs, metrics, out.per_prompt[label][budget][name])
+    out.all_runs.setdefault((label, budget), []).extend(runs)
+    return runs
+
+
+def _pooled(run: _Run, out: _Collected) -> dict[str, dict[str, dict]]:
+    """Metrics over every benchmark per (draft, budget), and every speed-up over the AR pass of the same prompts."""
+    E = run.target.num_experts
     pooled: dict[str, dict[str, dict]] = {}
-    for (label, budget), runs in all_runs.items():
-        pooled.setdefault(label, {})[budget] = summarize(runs, bytes_per_layer, E)
-        if cost is not None:
+    for (label, budget), runs in out.all_runs.items():
+        pooled.setdefault(label, {})[budget] = summarize(runs, run.bytes_per_layer, E)
+        if run.cost is not None:
             from vat.eval.cost import pooled_cost
 
             pooled[label][budget]["cost"] = pooled_cost(
-                [e for per in per_prompt[label][budget].values() for e in per])
-        if (label, budget) in pooled_quality:
+                [e for per in out.per_prompt[label][budget].values() for e in per])
+        if (label, budget) in out.pooled_quality:
             pooled[label][budget]["quality"] = summarize_quality(
-                pooled_quality[(label, budget)], temperature == 0,
-                "; ".join(sorted({r["source"] for r in quality_reference.values()})))
-    ar = results.get(AR_LABEL, {}).get(NO_BUDGET, {})
-    for label, per_budget in results.items():
+                out.pooled_quality[(label, budget)], run.settings.temperature == 0,
+                "; ".join(sorted({r["source"] for r in out.quality_reference.values()})))
+    ar = out.results.get(AR_LABEL, {}).get(NO_BUDGET, {})
+    for label, per_budget in out.results.items():
         for budget, per_bench in per_budget.items():
             for name, metrics in per_bench.items():
                 set_speedups(metrics, ar.get(name))
             set_speedups(pooled[label][budget], pooled.get(AR_LABEL, {}).get(NO_BUDGET))
+    return pooled
 
-    result = {
+
+def _settings_record(run: _Run, *, vh_threshold, max_new_tokens: int, limit, seed: int, ecospec_lambda,
+                     affinity, commitment) -> dict:
+    """eval.json's ``settings``: how the passes ran (a policy's own knobs only where that policy ran)."""
+    s = run.settings
+    return {
+        "mode": "tree" if s.tree is not None else "chain", "steps": s.steps,
+        "tree": None if s.tree is None else vars(s.tree), "temperature": s.temperature,
+        "budgets": [NO_BUDGET if b is None else b for b in s.budgets], "policy": s.policy,
+        "vh_threshold": vh_threshold, "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": 1,
+        "seed": seed, "tree_policy": s.tree_policy, "verify_cost": s.verify_cost,
+        "ecospec_lambda": ecospec_lambda if s.tree_policy == "ecospec" else None,
+        "affinity": affinity if s.tree_policy == "ecospec" else None,
+        "commitment": commitment if s.policy == "acceptmoe" else None,
+        "cost_model": None if s.cost_model is None else run.cost.accelerator.name,
+        "served_dtype": s.served_dtype if s.cost_model is not None else None,
+    }
+
+
+def _result(run: _Run, out: _Collected, settings: dict, *, device_map: str | None, seconds: float) -> dict:
+    """The eval.json dict (schema in docs/eval.md)."""
+    return {
         "vat_eval_version": EVAL_FORMAT_VERSION,
-        "target": target_obj.path,
-        "target_info": {
-            "num_experts": E, "top_k": target_obj.top_k, "moe_layer_ids": list(target_obj.moe_layer_ids),
-            "expert_bytes_per_layer": bytes_per_layer, "dtype": str(target_obj.dtype).replace("torch.", ""),
-            "device": str(target_obj.device), "device_map": device_map,
-            "experts_impl": target_obj.experts_impl,
-        },
-        "settings": {
-            "mode": "tree" if tree_spec is not None else "chain", "steps": steps,
-            "tree": None if tree_spec is None else vars(tree_spec), "temperature": temperature,
-            "budgets": [NO_BUDGET if b is None else b for b in budget_list], "policy": policy,
-            "vh_threshold": vh_threshold, "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": 1,
-            "seed": seed, "tree_policy": tree_policy, "verify_cost": verify_cost,
-            "ecospec_lambda": ecospec_lambda if tree_policy == "ecospec" else None,
-            "affinity": affinity if tree_policy == "ecospec" else None,
-            "commitment": commitment if policy == "acceptmoe" else None,
-            "cost_model": None if cost_model is None else cost.accelerator.name,
-            "served_dtype": served_dtype if cost_model is not None else None,
-        },
-        "cost_model": cost.describe() if cost_model is not None else None,
-        "evict_profile": evict[1].to_dict() if evict is not None and evict[1] is not None else None,
+        "target": run.target.path,
+        "target_info": _target_info(run, device_map),
+        "settings": settings,
+        "cost_model": run.cost.describe() if run.settings.cost_model is not None else None,
+        "evict_profile": run.evict[1].to_dict() if run.evict is not None and run.evict[1] is not None else None,
         "drafts": {
             **({AR_LABEL: {"path": None, "mode": "ar", "verification_head": False, "vh_threshold": None}}
-               if any(c.draft.label == AR_LABEL for c in configs) else {}),
-            **{d.label: _draft_record(d, tree_spec) for d in entries},
+               if any(c.draft.label == AR_LABEL for c in run.configs) else {}),
+            **{d.label: _draft_record(d, run.settings.tree) for d in run.entries},
         },
-        "benchmarks": bench_names,
-        "benchmark_sources": sources,
-        "skipped": skipped,
-        "quality_reference": quality_reference,
-        "examples": examples,
-        "results": results,
-        "pooled": pooled,
-        "per_prompt": per_prompt,
-        "seconds": time.time() - start,
+        "benchmarks": out.bench_names,
+        "benchmark_sources": out.sources,
+        "skipped": out.skipped,
+        "quality_reference": out.quality_reference,
+        "examples": out.examples,
+        "results": out.results,
+        "pooled": _pooled(run, out),
+        "per_prompt": out.per_prompt,
+        "seconds": seconds,
     }
-    if output:
-        from vat.eval.report import write_outputs
 
-        write_outputs(result, output, plots=plots)
-    return result
+
+def _target_info(run: _Run, device_map: str | None) -> dict:
+    target = run.target
+    return {
+        "num_experts": target.num_experts, "top_k": target.top_k, "moe_layer_ids": list(target.moe_layer_ids),
+        "expert_bytes_per_layer": run.bytes_per_layer, "dtype": str(target.dtype).replace("torch.", ""),
+        "device": str(target.device), "device_map": device_map, "experts_impl": target.experts_impl,
+    }
 
 
 def _lossless_run(configs: list[RunConfig], bench_runs: dict[int, list[PromptRun]]

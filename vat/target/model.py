@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vat.data_prep.tiny_target import ensure_tiny_target
+from vat.data_prep import tiny_target
 from vat.errors import VatError
 from vat.paths import TINY_TARGET_NAMES
 from vat.target.budget import BudgetSpec, commitment_weights, window_groups
@@ -333,4 +333,4 @@ def _mask_sentinels(model: nn.Module, experts_impl: str) -> None:
 def resolve_target_path(path: str) -> str:
     """``tiny`` / ``tiny-quick`` / ``tiny-bench`` -> the embedded target's directory (built on first use); other paths
     unchanged."""
-    return ensure_tiny_target(TINY_TARGET_NAMES[path]) if path in TINY_TARGET_NAMES else path
+    return tiny_target.ensure_tiny_target(TINY_TARGET_NAMES[path]) if path in TINY_TARGET_NAMES else path
