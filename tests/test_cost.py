@@ -99,10 +99,10 @@ def test_mla_caches_the_latent_as_deepseek_v3s_config_defines_it():
     terms = attention_terms(config)
     per_layer = config.kv_lora_rank + config.qk_rope_head_dim
     assert per_layer == 576
-    assert terms.kv_per_token == config.num_hidden_layers * 576  # not 2 * 128 heads * 64 = 16,384 per layer
+    assert terms["kv_per_token"] == config.num_hidden_layers * 576  # not 2 * 128 heads * 64 = 16,384 per layer
     heads = config.num_attention_heads
-    assert terms.attn_flops_per_key == config.num_hidden_layers * (2 * heads * 576 + 2 * heads * 512)
-    assert terms.window == terms.window_kv_per_token == 0
+    assert terms["attn_flops_per_key"] == config.num_hidden_layers * (2 * heads * 576 + 2 * heads * 512)
+    assert terms["window"] == terms["window_kv_per_token"] == 0
 
 
 def test_sliding_window_layers_read_at_most_their_window():
@@ -112,17 +112,17 @@ def test_sliding_window_layers_read_at_most_their_window():
     terms = attention_terms(config)
     kinds = config.layer_types[: config.num_hidden_layers]
     per_layer = 2 * config.num_key_value_heads * config.head_dim
-    assert terms.window == 128
-    assert terms.window_kv_per_token == kinds.count("sliding_attention") * per_layer
-    assert terms.kv_per_token == kinds.count("full_attention") * per_layer
-    shape = ModelShape(dense_params=0, dense_matmul_params=0, expert_params=[], top_k=0, **vars(terms))
+    assert terms["window"] == 128
+    assert terms["window_kv_per_token"] == kinds.count("sliding_attention") * per_layer
+    assert terms["kv_per_token"] == kinds.count("full_attention") * per_layer
+    shape = ModelShape(dense_params=0, dense_matmul_params=0, expert_params=[], top_k=0, **terms)
     # 4 tokens over 10,000 cached positions: the full layers read 10,004 keys, the windowed ones 128 + 4
     nbytes, flops = forward_cost(shape, tokens=4, context=10_000, union=None, served_bytes=2)
-    assert nbytes == 2 * (10_004 * terms.kv_per_token + 132 * terms.window_kv_per_token)
-    assert flops == 4 * (10_004 * terms.attn_flops_per_key + 132 * terms.window_attn_flops_per_key)
+    assert nbytes == 2 * (10_004 * terms["kv_per_token"] + 132 * terms["window_kv_per_token"])
+    assert flops == 4 * (10_004 * terms["attn_flops_per_key"] + 132 * terms["window_attn_flops_per_key"])
     # early in a decode (context below the window) both kinds read every key
     nbytes, _ = forward_cost(shape, tokens=4, context=50, union=None, served_bytes=2)
-    assert nbytes == 2 * 54 * (terms.kv_per_token + terms.window_kv_per_token)
+    assert nbytes == 2 * 54 * (terms["kv_per_token"] + terms["window_kv_per_token"])
 
 
 def test_a_shape_recorded_before_the_windowed_terms_still_loads():

@@ -128,20 +128,12 @@ class ModelShape:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
-@dataclass(frozen=True)
-class AttentionTerms:
-    """The attention side of :class:`ModelShape`: KV elements per position and FLOPs per query per key, split into
-    layers that attend to the whole context and sliding-window layers."""
-
-    kv_per_token: int
-    attn_flops_per_key: int
-    window: int = 0
-    window_kv_per_token: int = 0
-    window_attn_flops_per_key: int = 0
-
-
-def attention_terms(config) -> AttentionTerms:
+def attention_terms(config) -> dict[str, int]:
     """KV-cache elements per cached position and attention FLOPs per query per key of a transformers / vat config.
+
+    Returns the attention side of :class:`ModelShape` as a dict of its five keys: ``kv_per_token`` and
+    ``attn_flops_per_key`` (the layers that attend to the whole context), ``window`` (0: no windowed layers),
+    ``window_kv_per_token`` and ``window_attn_flops_per_key`` (the sliding-window layers).
 
     * Multi-head / grouped-query attention: per layer 2 · kv_heads · head_dim KV elements (K and V) and
       4 · heads · head_dim FLOPs per key (QKᵀ and AV, 2 FLOPs per multiply-add).
@@ -167,8 +159,8 @@ def attention_terms(config) -> AttentionTerms:
     window = int(getattr(config, "sliding_window", None) or 0)
     windowed = sum(kind == "sliding_attention" for kind in kinds) if window else 0
     full = layers - windowed
-    return AttentionTerms(kv_per_token=full * kv, attn_flops_per_key=full * flops, window=window if windowed else 0,
-                          window_kv_per_token=windowed * kv, window_attn_flops_per_key=windowed * flops)
+    return {"kv_per_token": full * kv, "attn_flops_per_key": full * flops, "window": window if windowed else 0,
+            "window_kv_per_token": windowed * kv, "window_attn_flops_per_key": windowed * flops}
 
 
 def target_shape(target) -> ModelShape:
@@ -188,7 +180,7 @@ def target_shape(target) -> ModelShape:
     untied_embedding = embed.numel() if embed.data_ptr() != head.data_ptr() else 0
     dense = total - routed - untied_embedding
     return ModelShape(dense_params=dense, dense_matmul_params=dense, expert_params=expert_params,
-                      top_k=int(target.top_k), **asdict(attention_terms(target.config)))
+                      top_k=int(target.top_k), **attention_terms(target.config))
 
 
 def draft_shape(drafter) -> ModelShape | None:
@@ -204,7 +196,7 @@ def draft_shape(drafter) -> ModelShape | None:
     if lm_head is not None and not any(lm_head is m for m in drafter.modules()):  # a borrowed (unregistered) head
         params += int(lm_head.weight.numel())
     return ModelShape(dense_params=params, dense_matmul_params=params, expert_params=[], top_k=0,
-                      **asdict(attention_terms(drafter.config)))
+                      **attention_terms(drafter.config))
 
 
 def forward_cost(shape: ModelShape, tokens: int, context: int, union: Sequence[int] | None,
