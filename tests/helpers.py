@@ -9,12 +9,14 @@ import math
 import os
 
 import torch
+from tiny_models import tiny_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from vat.config import load_config
 from vat.drafters.dflash import DFlashConfig, DFlashDrafter
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from vat.target import load_target
 
 # ---- EAGLE-3 drafts of the drafter and export unit tests (tiny dims) -------------------------------------------------
 
@@ -134,6 +136,22 @@ def make_dflash_draft(
         with torch.no_grad():
             draft.verification_head.weight.normal_(0, 0.3)
     return draft
+
+
+def olmoe_with_eagle3_drafts(gen: torch.Generator):
+    """The engine tests' set-up: the tiny OLMoE (seed 2) loaded on CPU, a random and a rigged EAGLE-3 draft for it
+    (:func:`make_eagle3_draft`) and three prompts of 5, 11 and 17 random ids drawn from ``gen``.
+
+    Returns (model, target, {"random": ..., "rigged": ...}, prompts); the caller closes the target.
+    """
+    model = tiny_model("olmoe", seed=2)
+    target = load_target(model, device="cpu")
+    drafts = {
+        "random": make_eagle3_draft(model, target, rigged=False),
+        "rigged": make_eagle3_draft(model, target, rigged=True),
+    }
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+    return model, target, drafts, prompts
 
 
 # ---- brute-force reference of expert budgeting, one token at a time --------------------------------------------------

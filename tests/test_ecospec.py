@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_eagle3_draft
-from tiny_models import cached_greedy_reference, tiny_model
+from helpers import olmoe_with_eagle3_drafts
+from tiny_models import cached_greedy_reference
 from vat.data_prep.affinity import affinity_from_routing
 
 from vat.errors import VatError
 from vat.eval.ecospec import EcoSpec, ExpertPredictor, ecospec_nodes
 from vat.eval.engine import SpeculativeEngine
 from vat.eval.tree import TreeSpec, _Node, best_nodes
-from vat.target import load_target
 
 NEW_TOKENS = 24
 TREES = [TreeSpec(2, 3, 5), TreeSpec(4, 4, 12), TreeSpec(3, 6, 20)]
@@ -25,14 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def setup():
-    model = tiny_model("olmoe", seed=2)
-    target = load_target(model, device="cpu")
-    drafts = {
-        "random": make_eagle3_draft(model, target, rigged=False),
-        "rigged": make_eagle3_draft(model, target, rigged=True),
-    }
     gen = torch.Generator().manual_seed(1234)
-    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+    model, target, drafts, prompts = olmoe_with_eagle3_drafts(gen)
     # the expert predictor: an affinity table of the target's own routing over random text (`vat prep affinity`'s
     # computation), rows = target ids
     text = torch.randint(3, 128, (8, 32), generator=gen)

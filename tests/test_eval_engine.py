@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_eagle3_draft
-from tiny_models import cached_greedy_reference, tiny_model
+from helpers import make_eagle3_draft, olmoe_with_eagle3_drafts
+from tiny_models import cached_greedy_reference
 
 from vat.eval.engine import SpeculativeEngine
 from vat.eval.tree import DraftTree, TreeSpec, _Node, _select
-from vat.target import load_target
 from vat.target.cache import crop_cache, new_cache, select_cache_positions, tree_attention_mask
 
 NEW_TOKENS = 24
@@ -29,14 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def setup():
-    model = tiny_model("olmoe", seed=2)
-    target = load_target(model, device="cpu")
-    drafts = {
-        "random": make_eagle3_draft(model, target, rigged=False),
-        "rigged": make_eagle3_draft(model, target, rigged=True),
-    }
-    gen = torch.Generator().manual_seed(1234)
-    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+    model, target, drafts, prompts = olmoe_with_eagle3_drafts(torch.Generator().manual_seed(1234))
     yield model, target, drafts, prompts
     target.close()
 

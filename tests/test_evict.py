@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import make_dflash_draft, make_eagle3_draft
+from helpers import make_dflash_draft, make_eagle3_draft, olmoe_with_eagle3_drafts
 from tiny_models import cached_greedy_reference, greedy_reference, tiny_model
 
 from vat.eval.chain import ChainDraft
@@ -71,16 +71,9 @@ def test_acceptance_estimates_are_monotone_along_paths():
 @pytest.fixture(scope="module")
 def setup():
     torch.set_num_threads(1)
-    model = tiny_model("olmoe", seed=2)
-    target = load_target(model, device="cpu")
-    drafts = {
-        "random": make_eagle3_draft(model, target, rigged=False),
-        "rigged": make_eagle3_draft(model, target, rigged=True),
-    }
+    model, target, drafts, prompts = olmoe_with_eagle3_drafts(torch.Generator().manual_seed(1234))
     with torch.no_grad():  # the rigged draft, confident: same proposals (argmax), probabilities near 1
         drafts["rigged"].lm_head.weight.mul_(200.0)
-    gen = torch.Generator().manual_seed(1234)
-    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 11, 17)]
     model_cost = CostModel(get_accelerator("h200"), target_shape(target))
     table = build_verify_cost(target, own_texts(target, prompts, NEW_TOKENS), [1, 2, 4, 8, 16], cost=model_cost)
     yield model, target, drafts, prompts, model_cost, table
