@@ -67,12 +67,17 @@ def random_eagle3(cfg: Eagle3Config, seed: int = 0) -> Eagle3Drafter:
     return model.eval()
 
 
+def aux_batch(B: int, T: int, seed: int, *, features: int, vocab: int, low: int = 0):
+    """Random aux features (B, T, features) and token ids (B, T) in [low, vocab), from one seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(B, T, features, generator=g)
+    ids = torch.randint(low, vocab, (B, T), generator=g)
+    return aux, ids
+
+
 def eagle3_batch(B: int = 2, T: int = 12, seed: int = 1):
     """Random aux features (B, T, 3 * HT) and token ids (B, T)."""
-    g = torch.Generator().manual_seed(seed)
-    aux = torch.randn(B, T, 3 * HT, generator=g)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    return aux, ids
+    return aux_batch(B, T, seed, features=3 * HT, vocab=V)
 
 
 # ---- drafts for the engine tests on tiny targets ---------------------------------------------------------------------

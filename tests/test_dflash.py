@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import aux_batch
 
 from vat.drafters.dflash import (
     DFlashConfig,
@@ -37,10 +38,7 @@ def make_draft(*, vh: bool = False, block_size: int = 4, layers: int = 2, seed: 
 
 
 def inputs(B: int = 2, T: int = 20, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    aux = torch.randn(B, T, 2 * HIDDEN, generator=g)
-    ids = torch.randint(6, VOCAB, (B, T), generator=g)
-    return aux, ids
+    return aux_batch(B, T, seed, features=2 * HIDDEN, vocab=VOCAB, low=6)
 
 
 def test_default_target_layers_spread_from_1_to_L_minus_3():
