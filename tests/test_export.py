@@ -62,6 +62,8 @@ LLAMA_KEYS = {
     "pad_token_id": 0,
     "torch_dtype": "float32",
 }
+# the norm placement flags of the default test draft, as both engine formats write them
+NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 
 
 def keys_of(path: str) -> set[str]:
@@ -163,20 +165,31 @@ def test_save_without_head_removes_stale_head_and_bf16_round_trip(trained):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_sglang_export_every_key(trained):
-    model, ckpt, tmp = trained
-    out = export_draft(ckpt, "sglang", str(tmp / "sglang"))
+def export_trained(trained, fmt: str, name: str):
+    """Export the trained checkpoint to ``fmt`` under ``name``: (out dir, its config less the vat block, the vat block),
+    after checking the export wrote the config, the weights and the verification head."""
+    _, ckpt, tmp = trained
+    out = export_draft(ckpt, fmt, str(tmp / name))
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "verification_head.safetensors"]
     config = read(os.path.join(out, "config.json"))
-    vat_block = config.pop("vat")
+    return out, config, config.pop("vat")
+
+
+def round_trip_logits(model, out: str, fmt: str) -> None:
+    """An export in ``out`` is detected as ``fmt`` and loads back to ``model``'s config and logits."""
+    assert detect_format(read(os.path.join(out, "config.json"))) == fmt
+    loaded, cfg = load_draft(out, model.embed_tokens.weight)
+    assert cfg == model.config
+    same_logits(model, loaded)
+
+
+def test_sglang_export_every_key(trained):
+    out, config, vat_block = export_trained(trained, "sglang", "sglang")
     expected = {"architectures": ["LlamaForCausalLMEagle3"], **LLAMA_KEYS}
     expected.update(
         draft_vocab_size=VD,
         target_hidden_size=HT,  # differs from hidden_size, so it is written
-        norm_before_residual=False,
-        norm_before_fc=False,
-        fc_norm=False,
-        norm_output=False,
+        **NORM_FLAGS,
         eagle_config={"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 3, 4]},
     )
     assert config == expected
@@ -213,11 +226,7 @@ def test_sglang_config_parses_as_llama_and_omits_equal_target_hidden(tmp_path):
 
 def test_sglang_round_trip_identical_logits(trained):
     model, ckpt, tmp = trained
-    out = export_draft(ckpt, "sglang", str(tmp / "sglang"))
-    assert detect_format(read(os.path.join(out, "config.json"))) == "sglang"
-    loaded, cfg = load_draft(out, model.embed_tokens.weight)
-    assert cfg == model.config
-    same_logits(model, loaded)
+    round_trip_logits(model, export_draft(ckpt, "sglang", str(tmp / "sglang")), "sglang")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -226,20 +235,14 @@ def test_sglang_round_trip_identical_logits(trained):
 
 
 def test_speculators_export_every_key(trained):
-    model, ckpt, tmp = trained
-    out = export_draft(ckpt, "speculators", str(tmp / "spec"))
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "verification_head.safetensors"]
-    config = read(os.path.join(out, "config.json"))
-    vat_block = config.pop("vat")
+    model = trained[0]
+    out, config, vat_block = export_trained(trained, "speculators", "spec")
     assert config == {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "draft_vocab_size": VD,
         "target_hidden_size": HT,
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **NORM_FLAGS,
         "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": [2, 4, 5],  # vLLM convention: vat id + 1
         "speculators_config": {
@@ -267,10 +270,7 @@ def test_speculators_export_every_key(trained):
 def test_speculators_round_trip_identical_logits(trained):
     model, ckpt, tmp = trained
     out = export_draft(ckpt, "speculators", str(tmp / "spec"))
-    assert detect_format(read(os.path.join(out, "config.json"))) == "speculators"
-    loaded, cfg = load_draft(out, model.embed_tokens.weight)
-    assert cfg == model.config
-    same_logits(model, loaded)
+    round_trip_logits(model, out, "speculators")
     # and onward: speculators -> sglang -> vat model, still identical
     again, _ = load_draft(export_draft(out, "sglang", str(tmp / "sg2")), model.embed_tokens.weight)
     same_logits(model, again)
