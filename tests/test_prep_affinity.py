@@ -90,6 +90,11 @@ def test_draft_rows_equal_target_rows_of_their_ids():
     assert torch.allclose(by_draft, by_target[draft_to_target_ids(d2t)])
 
 
+def affinity_args(target_dir, data, out, *extra: str) -> list[str]:
+    """`vat prep affinity` arguments: a target directory and a saved dataset in, ``out`` written, then ``extra``."""
+    return ["prep", "affinity", "--target", str(target_dir), "--data", str(data), "--output", str(out), *extra]
+
+
 def test_cli_affinity_with_tiny_olmoe(tmp_path, capsys):
     model = tiny_model("olmoe", num_experts=8, top_k=2)
     target_dir = tmp_path / "target"
@@ -108,23 +113,7 @@ def test_cli_affinity_with_tiny_olmoe(tmp_path, capsys):
     data = tmp_path / "data"
     ds.save_to_disk(str(data))
     out = tmp_path / "aff.safetensors"
-    assert (
-        vat_main(
-            [
-                "prep",
-                "affinity",
-                "--target",
-                str(target_dir),
-                "--data",
-                str(data),
-                "--output",
-                str(out),
-                "--batch-size",
-                "3",
-            ]
-        )
-        == 0
-    )
+    assert vat_main(affinity_args(target_dir, data, out, "--batch-size", "3")) == 0
     with safe_open(str(out), framework="pt") as f:
         meta = f.metadata()
         table, counts, layers = f.get_tensor("affinity"), f.get_tensor("token_counts"), f.get_tensor("layers")
@@ -143,30 +132,12 @@ def test_cli_affinity_with_tiny_olmoe(tmp_path, capsys):
     d2t, t2d = build_draft_vocab(direct.token_counts, 16)
     save_draft_vocab(str(tmp_path / "vocab.safetensors"), d2t, t2d)
     out2 = tmp_path / "aff_draft.safetensors"
-    assert (
-        vat_main(
-            [
-                "prep",
-                "affinity",
-                "--target",
-                str(target_dir),
-                "--data",
-                str(data),
-                "--output",
-                str(out2),
-                "--vocab",
-                str(tmp_path / "vocab.safetensors"),
-                "--layers",
-                "1",
-            ]
-        )
-        == 0
-    )
+    assert vat_main(affinity_args(target_dir, data, out2, "--vocab", str(tmp_path / "vocab.safetensors"), "--layers", "1")) == 0
     online = OnlineAffinity.from_file(str(out2), top_k=2)
     assert online.table().shape == (16, 1, 8)
     full_layer1 = torch.stack([direct.affinity(2)[:, 1]], dim=1)  # (V, 1, E); the marginal is per layer
     assert torch.allclose(online.table(), full_layer1[draft_to_target_ids(d2t)], atol=1e-6)
     assert "draft_id rows" in capsys.readouterr().out
-    bad = ["prep", "affinity", "--target", str(target_dir), "--data", str(data), "--output", str(out2), "--layers", "5"]
+    bad = affinity_args(target_dir, data, out2, "--layers", "5")
     with pytest.raises(VatError, match="not MoE layers"):
         affinity_main(build_parser().parse_args(bad))
