@@ -81,6 +81,35 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
     os.replace(tmp, path)
 
 
+def write_draft_files(
+    directory: str,
+    weights: dict[str, torch.Tensor],
+    vh: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    *,
+    remove_stale_vh: bool,
+) -> str:
+    """Write a draft directory (created if missing), each file atomically: ``weights`` as model.safetensors, ``vh``
+    (when not empty) as verification_head.safetensors and ``config`` as config.json.
+
+    Args:
+        remove_stale_vh: with no ``vh``, delete the verification head an earlier save left in ``directory`` (a
+            checkpoint directory is saved into again and again; the engine exports leave it).
+
+    Returns:
+        ``directory``.
+    """
+    os.makedirs(directory, exist_ok=True)
+    write_safetensors(os.path.join(directory, WEIGHTS_FILE), weights)
+    vh_path = os.path.join(directory, VH_FILE)
+    if vh:
+        write_safetensors(vh_path, vh)
+    elif remove_stale_vh and os.path.exists(vh_path):
+        os.remove(vh_path)  # a stale head from an earlier save must not be picked up
+    write_json(os.path.join(directory, CONFIG_FILE), config)
+    return directory
+
+
 def read_json(path: str) -> dict[str, Any]:
     """Read a JSON object; a missing or malformed file raises one-line :class:`VatError`."""
     if not os.path.isfile(path):
@@ -213,19 +242,28 @@ def parse_sliding_window(data: dict[str, Any], source: str) -> int | None:
     return int(window)
 
 
+def llama_layer_dims(data: dict[str, Any]) -> dict[str, int]:
+    """A Llama-style draft config's layer sizes: hidden_size, intermediate_size, num_attention_heads,
+    num_key_value_heads (default: the heads) and head_dim (default: hidden / heads).
+
+    Raises:
+        KeyError: a required key is missing (the caller names the file).
+    """
+    hidden = int(data["hidden_size"])
+    heads = int(data["num_attention_heads"])
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=int(data["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+        head_dim=int(data.get("head_dim") or hidden // heads),
+    )
+
+
 def parse_llama_config(data: dict[str, Any], source: str) -> dict[str, Any]:
     """Eagle3Config fields from a Llama-style draft config; unsupported variants raise :class:`VatError`."""
     try:
-        hidden = int(data["hidden_size"])
-        heads = int(data["num_attention_heads"])
-        values: dict[str, Any] = dict(
-            hidden_size=hidden,
-            intermediate_size=int(data["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-            head_dim=int(data.get("head_dim") or hidden // heads),
-            vocab_size=int(data["vocab_size"]),
-        )
+        values: dict[str, Any] = dict(llama_layer_dims(data), vocab_size=int(data["vocab_size"]))
     except KeyError as err:
         raise VatError(f"{source}: draft config lacks {err.args[0]!r}") from None
     rope_parameters = data.get("rope_parameters") or {}
@@ -346,16 +384,8 @@ def save_draft(model: Any, cfg: Eagle3Config | None, directory: str) -> str:
         return WRITERS[type(inner)](inner, directory)
     model = unwrap_draft(model)
     cfg = cfg or model.config
-    os.makedirs(directory, exist_ok=True)
     main, vh = draft_state(model)
-    write_safetensors(os.path.join(directory, WEIGHTS_FILE), main)
-    vh_path = os.path.join(directory, VH_FILE)
-    if vh:
-        write_safetensors(vh_path, vh)
-    elif os.path.exists(vh_path):
-        os.remove(vh_path)  # a stale head from an earlier save must not be picked up
-    write_json(os.path.join(directory, CONFIG_FILE), vat_config_dict(cfg, main["fc.weight"].dtype))
-    return directory
+    return write_draft_files(directory, main, vh, vat_config_dict(cfg, main["fc.weight"].dtype), remove_stale_vh=True)
 
 
 def parse_vat_config(config: dict[str, Any], directory: str) -> Eagle3Config:

@@ -22,17 +22,16 @@ from vat.errors import VatError
 from vat.export.checkpoint import (
     CONFIG_FILE,
     VH_FILE,
-    WEIGHTS_FILE,
     DraftFormat,
     add_verification_head,
     draft_state,
     dtype_name,
+    llama_layer_dims,
     load_strict,
     read_weights,
     register_format,
     register_writer,
-    write_json,
-    write_safetensors,
+    write_draft_files,
 )
 from vat.target.conventions import VAT_AUX_CONVENTION
 
@@ -122,15 +121,11 @@ def parse_dflash_config(config: dict[str, Any], directory: str) -> DFlashConfig:
         raise VatError(f"{directory}: DFlash config has no mask_token_id")
     block = config.get("vat") or {}
     try:
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        dims = llama_layer_dims(config)
         return DFlashConfig(
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            **dims,
             num_hidden_layers=int(config["num_hidden_layers"]),
-            target_hidden_size=int(block.get("target_hidden_size") or hidden),
+            target_hidden_size=int(block.get("target_hidden_size") or dims["hidden_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
@@ -156,16 +151,9 @@ def save_dflash(model: DFlashDrafter, directory: str) -> str:
     Returns:
         ``directory``.
     """
-    os.makedirs(directory, exist_ok=True)
     main, vh = draft_state(model)  # never the target's embedding or LM head: neither is in state_dict()
-    write_safetensors(os.path.join(directory, WEIGHTS_FILE), main)
-    vh_path = os.path.join(directory, VH_FILE)
-    if vh:
-        write_safetensors(vh_path, vh)
-    elif os.path.exists(vh_path):
-        os.remove(vh_path)  # a stale head from an earlier save must not be picked up
-    write_json(os.path.join(directory, CONFIG_FILE), dflash_config_dict(model.config, main["fc.weight"].dtype, bool(vh)))
-    return directory
+    config = dflash_config_dict(model.config, main["fc.weight"].dtype, bool(vh))
+    return write_draft_files(directory, main, vh, config, remove_stale_vh=True)
 
 
 def load_dflash(

@@ -16,16 +16,12 @@ top-level ``norm_output`` means nothing to the recurrence. vat's own exports car
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import torch
 
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from vat.export.checkpoint import (
-    CONFIG_FILE,
-    VH_FILE,
-    WEIGHTS_FILE,
     DraftFormat,
     apply_vat_block,
     draft_state,
@@ -35,8 +31,7 @@ from vat.export.checkpoint import (
     unwrap_draft,
     vat_block,
     warn_unsupported,
-    write_json,
-    write_safetensors,
+    write_draft_files,
 )
 from vat.target.conventions import sglang_to_vat_aux_ids, vat_to_sglang_aux_ids
 
@@ -82,12 +77,8 @@ def export_sglang(model: Eagle3Drafter, output: str) -> str:
     if cfg.sliding_window is not None:
         warn_unsupported("sglang", f"sliding_window={cfg.sliding_window}: SGLang's Llama draft attends every position")
     main, vh = draft_state(model)
-    os.makedirs(output, exist_ok=True)
-    write_safetensors(os.path.join(output, WEIGHTS_FILE), main)
-    if vh:
-        write_safetensors(os.path.join(output, VH_FILE), vh)
-    write_json(os.path.join(output, CONFIG_FILE), sglang_config_dict(cfg, main["fc.weight"].dtype, bool(vh)))
-    return output
+    config = sglang_config_dict(cfg, main["fc.weight"].dtype, bool(vh))
+    return write_draft_files(output, main, vh, config, remove_stale_vh=False)
 
 
 def parse_sglang_config(config: dict[str, Any], directory: str) -> Eagle3Config:

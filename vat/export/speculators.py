@@ -21,10 +21,7 @@ import torch
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from vat.errors import VatError
 from vat.export.checkpoint import (
-    CONFIG_FILE,
     EMBED_KEY,
-    VH_FILE,
-    WEIGHTS_FILE,
     DraftFormat,
     apply_vat_block,
     draft_state,
@@ -35,8 +32,7 @@ from vat.export.checkpoint import (
     unwrap_draft,
     vat_block,
     warn_unsupported,
-    write_json,
-    write_safetensors,
+    write_draft_files,
 )
 from vat.export.target_embedding import read_target_embedding
 from vat.target.conventions import vat_to_vllm_aux_ids, vllm_to_vat_aux_ids
@@ -148,13 +144,8 @@ def export_speculators(
     if cfg.draft_vocab_size == cfg.vocab_size:  # speculators keeps no mapping for the full vocab
         main = {k: v for k, v in main.items() if k not in ("d2t", "t2d")}
     main[EMBED_KEY] = export_embedding(model, target).to(dtype)
-    os.makedirs(output, exist_ok=True)
-    write_safetensors(os.path.join(output, WEIGHTS_FILE), to_speculators_names(main))
-    if vh:
-        write_safetensors(os.path.join(output, VH_FILE), vh)
     data = speculators_config_dict(cfg, dtype, bool(vh), architectures)
-    write_json(os.path.join(output, CONFIG_FILE), data)
-    return output
+    return write_draft_files(output, to_speculators_names(main), vh, data, remove_stale_vh=False)
 
 
 def parse_speculators_config(config: dict[str, Any], directory: str) -> Eagle3Config:
