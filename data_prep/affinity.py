@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vat.errors import VatError, require_file
+from vat.errors import VatError
 
 DEFAULT_ALPHA = 4.0  # pseudo-occurrences of the marginal in every row (the trainer's online default too)
 INT32_MAX = 2**31 - 1  # a cell's count is at most the tokens counted: int32 is exact below this many
@@ -253,19 +253,12 @@ def _layer_positions(moe_layer_ids: list[int], requested: list[int] | None) -> l
 
 def main(args) -> int:
     """Entry point of ``vat prep affinity``."""
-    import datasets
-    from vat.data_prep.vocab import load_draft_vocab, target_to_draft_ids
+    from vat.data_prep.vocab import load_draft_vocab, load_prepared_dataset, target_to_draft_ids
 
     from vat.target import load_target
 
     t0 = time.time()
-    require_file(args.data, "prepared dataset")
-    try:
-        ds = datasets.load_from_disk(args.data)
-    except Exception as err:
-        raise VatError(
-            f"{args.data} is not a prepared dataset (vat prep chat output): {str(err).splitlines()[0]}"
-        ) from None
+    ds = load_prepared_dataset(args.data)
     if args.limit is not None:
         ds = ds.select(range(min(args.limit, len(ds))))
     target = load_target(args.target, dtype="auto")

@@ -154,17 +154,25 @@ def _target_vocab_size(data_dir: str, override: int | None) -> tuple[int, str]:
     return len(AutoTokenizer.from_pretrained(tok)), f"len(tokenizer {tok})"
 
 
-def main(args) -> int:
-    """Entry point of ``vat prep vocab``."""
+def load_prepared_dataset(path: str):
+    """The ``vat prep chat`` dataset saved at ``path`` (``datasets.load_from_disk``), as ``vat prep vocab`` and
+    ``vat prep affinity`` read it.
+
+    Raises:
+        VatError: ``path`` is missing or is not a saved dataset, in one line.
+    """
     import datasets
 
-    require_file(args.data, "prepared dataset")
+    require_file(path, "prepared dataset")
     try:
-        ds = datasets.load_from_disk(args.data)
+        return datasets.load_from_disk(path)
     except Exception as err:
-        raise VatError(
-            f"{args.data} is not a prepared dataset (vat prep chat output): {str(err).splitlines()[0]}"
-        ) from None
+        raise VatError(f"{path} is not a prepared dataset (vat prep chat output): {str(err).splitlines()[0]}") from None
+
+
+def main(args) -> int:
+    """Entry point of ``vat prep vocab``."""
+    ds = load_prepared_dataset(args.data)
     vocab_size, source = _target_vocab_size(args.data, getattr(args, "vocab_size", None))
     counts = count_tokens(ds, vocab_size)
     d2t, t2d = build_draft_vocab(counts, args.size)
