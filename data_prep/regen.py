@@ -323,15 +323,7 @@ class Regenerator:
             for j, p in enumerate(new):
                 input_ids[j, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             self.counts["prefill_tokens"] += input_ids.numel()
-            out = model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),  # left padding: real tokens from position 0
-                **cache_kwargs(model, big),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            return big, mask, out.logits[:, -1, :]
+            return big, mask, self._prefill(input_ids, mask, big)
         if n_live:
             live = torch.arange(n_live, device=device)
             for big_layer, layer in zip(big.layers, cache.layers):
@@ -339,6 +331,18 @@ class Regenerator:
             mask[:n_live, width - attention_mask.shape[1] :] = attention_mask[keep]
         logits = self._prefill_groups(new, n_live, batch, width, big) if new else None
         return big, mask, logits
+
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        """One prefill forward of left-padded prompts (B, W) into ``cache``: the last position's logits, (B, V)."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),  # left padding: real tokens from position 0
+            **cache_kwargs(self.model, cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
 
     def _prefill_groups(self, new: list[list[int]], offset: int, batch: int, width: int, big) -> torch.Tensor:
         """Prefill the prompts ``new`` (token ids, ascending length) in groups of similar length and write them into ``big`` at
@@ -372,20 +376,13 @@ class Regenerator:
                 mask[k, w - len(p) :] = 1
             input_ids, mask = input_ids.to(device), mask.to(device)
             small = new_cache(model.config)
-            out = model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),  # left padding: real tokens from position 0
-                **cache_kwargs(model, small),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            last = self._prefill(input_ids, mask, small)  # (g, V)
             rows = torch.tensor([offset + j for j in group], dtype=torch.long, device=device)
             for big_layer, layer in zip(big.layers, small.layers):
                 big_layer.write_rows(rows, batch, width, layer.keys, layer.values)  # (g, H_kv, w, hd)
             if logits is None:
-                logits = out.logits.new_empty(len(new), out.logits.shape[-1])  # (B_new, V)
-            logits[torch.tensor(group, dtype=torch.long, device=device)] = out.logits[:, -1, :]
+                logits = last.new_empty(len(new), last.shape[-1])  # (B_new, V)
+            logits[torch.tensor(group, dtype=torch.long, device=device)] = last
         self.counts["prefill_seconds"] += time.perf_counter() - t0
         return logits
 
