@@ -176,6 +176,16 @@ def test_launches_on_the_tensors_device():
     torch.testing.assert_close(out, fused_experts_reference(x.float(), w1.float(), w2.float(), ids, w))
 
 
+def assert_experts_match_eager(model, name: str, input_ids: torch.Tensor) -> None:
+    """``model``'s logits on ``input_ids`` with the experts implementation ``name`` equal its eager experts'."""
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        expected = model(input_ids).logits
+        model.set_experts_implementation(name)
+        got = model(input_ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tiny_model_split_across_two_gpus_matches_eager():
     accelerate = pytest.importorskip("accelerate")
@@ -187,13 +197,7 @@ def test_tiny_model_split_across_two_gpus_matches_eager():
                   "model.norm": 1, "lm_head": 1}  # fmt: skip
     model = accelerate.dispatch_model(tiny_model("qwen3_moe"), device_map=device_map)
     torch.cuda.set_device(0)
-    input_ids = torch.randint(3, 128, (2, 9), device="cuda:0")
-    with torch.no_grad():
-        model.set_experts_implementation("eager")
-        expected = model(input_ids).logits
-        model.set_experts_implementation(name)
-        got = model(input_ids).logits
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_experts_match_eager(model, name, torch.randint(3, 128, (2, 9), device="cuda:0"))
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
@@ -203,13 +207,7 @@ def test_tiny_model_on_gpu_matches_eager(family):
 
     name = register_triton_experts()
     model = tiny_model(family).cuda()
-    input_ids = torch.randint(3, 128, (2, 9), device="cuda")
-    with torch.no_grad():
-        model.set_experts_implementation("eager")
-        expected = model(input_ids).logits
-        model.set_experts_implementation(name)
-        got = model(input_ids).logits
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_experts_match_eager(model, name, torch.randint(3, 128, (2, 9), device="cuda"))
 
 
 def test_cpu_tensors_are_refused_when_compiled():
