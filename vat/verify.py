@@ -258,11 +258,8 @@ def onpolicy_censor(input_ids: Tensor, target_argmax: Tensor, K: int) -> Tensor:
     Returns:
         ``(B, T, K)`` bool, True where the step is censored.
     """
-    B, T = input_ids.shape
-    mismatch = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)  # (B, T): data token i+1 != argmax at i
-    if T > 1:
-        mismatch[:, :-1] = input_ids[:, 1:] != target_argmax[:, :-1]
-    mismatch_k, _ = gather_ttt_targets(mismatch, K)  # (B, T, K): at index t+1+k; past the end: no mismatch
+    # (B, T, K): the mismatch at index t+1+k; past the end: no mismatch
+    mismatch_k, _ = gather_ttt_targets(_argmax_mismatch(input_ids, target_argmax), K)
     return _censor_after_mismatch(mismatch_k)
 
 
@@ -283,12 +280,17 @@ def onpolicy_censor_block(input_ids: Tensor, target_argmax: Tensor, anchors: Ten
     Returns:
         ``(B, N, K)`` bool, True where the slot is censored.
     """
+    mismatch_k, _ = gather_block_targets(_argmax_mismatch(input_ids, target_argmax), anchors, K)  # (B, N, K): at a+k
+    return _censor_after_mismatch(mismatch_k)
+
+
+def _argmax_mismatch(input_ids: Tensor, target_argmax: Tensor) -> Tensor:
+    """``(B, T)`` bool: data token i+1 differs from the target's argmax at i (False at the last position)."""
     B, T = input_ids.shape
-    mismatch = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)  # (B, T): data token i+1 != argmax at i
+    mismatch = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
     if T > 1:
         mismatch[:, :-1] = input_ids[:, 1:] != target_argmax[:, :-1]
-    mismatch_k, _ = gather_block_targets(mismatch, anchors, K)  # (B, N, K): at index a+k
-    return _censor_after_mismatch(mismatch_k)
+    return mismatch
 
 
 def _censor_after_mismatch(mismatch_k: Tensor) -> Tensor:
