@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import reference_budget, router_io
-from tiny_models import FAMILIES, tiny_config, tiny_model
+from tiny_models import FAMILIES, randomized_routing, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
 from vat.errors import VatError
@@ -23,15 +23,7 @@ def _deepseek(n_group: int, topk_group: int, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
     config = tiny_config("deepseek_v3", **kwargs)
     config.n_group, config.topk_group = n_group, topk_group
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".gate.weight"):
-                param.normal_(0.0, 0.5)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0.0, 0.3)
-    return model.eval()
+    return randomized_routing(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
 
 def _budgeted_io(target, ids, spec):

@@ -70,8 +70,12 @@ def tiny_model(family: str, seed: int = 0, **kwargs):
     """A random model of ``family`` in fp32 eval mode. Router weights are scaled up so routing is not near-uniform,
     and DeepSeek-V3's correction bias is randomised so tests exercise it."""
     torch.manual_seed(seed)
-    config = tiny_config(family, **kwargs)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return randomized_routing(AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=torch.float32))
+
+
+def randomized_routing(model):
+    """``model`` in eval mode with its router weights (and biases) redrawn at std 0.5 and DeepSeek-V3's correction
+    bias at std 0.3, from the global torch RNG (as :func:`tiny_model` leaves every tiny model)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith((".gate.weight", ".router.weight")):
