@@ -326,3 +326,33 @@ def test_budget_align_response_restarts_windows_at_the_response_and_offset_keeps
     response, offset = groups["response", "sequence"], groups["offset", "sequence"]
     assert torch.equal(response >= 0, offset >= 0)  # the same budgeted cells, other windows
     assert not torch.equal(response, offset)
+
+
+def test_at_lambda_zero_the_union_runs_only_on_logging_steps_and_changes_no_number(train_workspace, tmp_path,
+                                                                                    monkeypatch):
+    """λ = 0: the union term (expected expert use over the draft vocab, soft union) runs on the steps that log
+    union_sim only; every other number, and the trained weights, are those of a run that computes it every step."""
+    import vat.losses
+    from safetensors.torch import load_file
+
+    real, calls = vat.losses.vat_objective, []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("affinity") is not None)
+        return real(*args, **kwargs)
+
+    every, sparse = str(tmp_path / "every"), str(tmp_path / "sparse")
+    base = ("method=vat", "drafter.ttt_steps=3", "train.max_steps=4")
+    train_main(train_config(train_workspace, every, *base, "train.log_every=1"))
+    monkeypatch.setattr(vat.losses, "vat_objective", counting)
+    train_main(train_config(train_workspace, sparse, *base, "train.log_every=2"))
+    per_step = len(calls) // 4
+    assert calls == [False] * per_step + [True] * per_step + [False] * per_step + [True] * per_step
+    a, b = read_metrics(every), read_metrics(sparse)
+    assert [r["step"] for r in b] == [2, 4]
+    assert all(0 < r["union_sim"] <= 8 for r in b)
+    for key in ("lr", "grad_norm"):
+        assert b[-1][key] == a[-1][key], key
+    wa, wb = load_file(os.path.join(every, "final", "model.safetensors")), load_file(os.path.join(sparse, "final",
+                                                                                                   "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -448,11 +448,15 @@ class Trainer:
         else:
             metrics_extra = {}
         vh_logits = slots.vh_logits  # (B, A, K) or None
+        # the union term's work (expected expert use over the draft vocab, soft union, its sampled anchors) runs when
+        # it is penalised, else only on the steps that log its metric (union_sim): at λ = 0 it changes no gradient
+        union = bool(self.switches.union_weight) or self._logs_this_step()
         loss, metrics = vat_objective(
             slots.logits, slots.imitation, valid, self.switches, vh_logits=vh_logits,
-            affinity=self.affinity.table(), anchor_routing=self._tracked_layers(slots.anchor_routing),
+            affinity=self.affinity.table() if union else None,
+            anchor_routing=self._tracked_layers(slots.anchor_routing) if union else None,
             verification=verification,
-            union_anchors=self._union_anchors(verification.anchor_valid),
+            union_anchors=self._union_anchors(verification.anchor_valid) if union else None,
         )
         if vh_logits is not None:  # kept for an exact AUC over the logging window
             mask = verification.valid
@@ -466,6 +470,11 @@ class Trainer:
         metrics.update(metrics_extra)
         metrics["tokens"] = attention.sum().float()
         return loss, metrics
+
+    def _logs_this_step(self) -> bool:
+        """Whether the optimizer step now running writes a metrics record (the train loop's own rule)."""
+        step = self.step + 1  # the loop counts a step once its micro-batches ran
+        return step % self.cfg.train.log_every == 0 or step == self.total_steps
 
     def _tracked_layers(self, anchor_routing: torch.Tensor) -> torch.Tensor:
         """``(..., L', E)`` -> the affinity table's layers (all, or every s-th with ``loss.affinity_layer_stride``)."""
@@ -551,7 +560,7 @@ class Trainer:
             if not losses:
                 continue
             window_tokens += float(sums.get("tokens", 0.0))
-            if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
+            if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:  # = _logs_this_step()
                 record = self._reduce(sums, torch.stack(losses).mean())
                 elapsed = max(time.time() - window_start, 1e-9)
                 record["tokens_per_s"] = window_tokens * self.accelerator.num_processes / elapsed
