@@ -332,8 +332,9 @@ def test_at_lambda_zero_the_union_runs_only_on_logging_steps_and_changes_no_numb
                                                                                     monkeypatch):
     """λ = 0: the union term (expected expert use over the draft vocab, soft union) runs on the steps that log
     union_sim only; every other number, and the trained weights, are those of a run that computes it every step."""
-    import vat.losses
     from safetensors.torch import load_file
+
+    import vat.losses
 
     real, calls = vat.losses.vat_objective, []
 
