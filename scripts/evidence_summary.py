@@ -84,7 +84,9 @@ def _met(est: dict | None, floor: float) -> str:
     both = est["low"] > 1 and (t.get("low") or 0) > 1
     if est["value"] >= floor and both:
         return "met"
-    return f"not met ({est['value']:.3f}; {'both lower bounds > 1' if both else 'an interval reaches 1'})"
+    below = est["high"] < 1 and (t.get("high") if t.get("high") is not None else 0) < 1
+    where = "both lower bounds > 1" if both else "both intervals below 1" if below else "an interval reaches 1"
+    return f"not met ({est['value']:.3f}; {where})"
 
 
 def goal_lines(summary: dict) -> list[str]:
