@@ -255,7 +255,9 @@ def reference_budget(family, router, logits, natural_w, natural_ids, groups, bud
             result.append(natural)
         elif policy == "substitute":
             result.append(_reference_select(family, router, logits_l[t], allowed))
-        else:
+        elif policy == "truncate":  # MoE-Spec: out-of-set experts get zero weight; nothing rescaled or substituted
+            result.append({e: w for e, w in natural.items() if e in allowed})
+        else:  # truncate_cover
             kept = {e: w for e, w in natural.items() if e in allowed}
             if not kept:  # no natural expert in S: substituted, never left without expert output
                 result.append(_reference_select(family, router, logits_l[t], allowed))

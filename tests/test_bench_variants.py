@@ -223,7 +223,7 @@ def test_variant_config_errors_are_one_line(tmp_path):
     config = _write_config(tmp_path, str(tmp_path / "nowhere"))
     for override, message in [
         ("methods.chain.eval.tree_policy=evicts", "one of confidence, evict"),
-        ("methods.chain.eval.policy=acceptmo", "`methods.chain.eval.policy`: one of substitute, truncate, acceptmoe"),
+        ("methods.chain.eval.policy=acceptmo", "`methods.chain.eval.policy`: one of substitute, truncate, truncate_cover, acceptmoe"),
         ("eval.policy=drop", "`eval.policy`: one of substitute"),
         ("methods.chain.eval.cost_model=b200", "known accelerators are h100, h200, a100, l40s"),
         ("methods.chain.recipe=tiny/eagle3.yaml", "not both"),

@@ -72,7 +72,7 @@ def test_deepseek_b3_fills_every_slot_across_groups():
 
 
 @pytest.mark.parametrize("budget", [2, 3, 4])
-@pytest.mark.parametrize("policy", ["substitute", "truncate"])
+@pytest.mark.parametrize("policy", ["substitute", "truncate", "truncate_cover"])
 def test_deepseek_default_groups_match_reference(budget, policy):
     target = load_target(tiny_model("deepseek_v3"), device="cpu")
     ids = torch.randint(3, 128, (2, SEQ))
@@ -97,13 +97,42 @@ def test_deepseek_unbudgeted_selection_is_the_models_own():
     assert torch.equal(got_w.gather(1, order_got), weights.gather(1, order_own))
 
 
-# ---- truncation: a token with no natural expert in S is substituted and counted ---------------------------------
+# ---- truncation ------------------------------------------------------------------------------------------------
+
+def test_plain_truncate_gives_out_of_set_experts_zero_weight_on_a_hand_built_router():
+    """MoE-Spec's truncation: one window of three tokens, B = 2. S = the two experts with the largest summed score
+    ({0, 1}); a token inside S keeps its weights bit for bit, a token half inside keeps its in-set weight unrescaled
+    and loses the other slot, a token with no expert in S gets no expert output; truncate_cover rescales the half
+    token to its natural total and substitutes the uncovered one."""
+    from vat.target import adapter_for
+    from vat.target.budget import apply_budget
+
+    model = tiny_model("olmoe", num_experts=8, top_k=2)
+    router = model.model.layers[0].mlp.gate
+    adapter = adapter_for(model.config)
+    logits = torch.full((3, 8), -4.0)
+    logits[0, 0], logits[0, 1] = 6.0, 5.0  # token 0 routes to {0, 1}
+    logits[1, 1], logits[1, 5] = 5.5, 5.0  # token 1 to {1, 5}
+    logits[2, 6], logits[2, 7] = 1.0, 0.5  # token 2 to {6, 7}: small scores, outside S
+    weights = torch.tensor([[0.6, 0.3], [0.5, 0.4], [0.7, 0.2]])
+    ids = torch.tensor([[0, 1], [1, 5], [6, 7]])
+    groups = torch.zeros(3, dtype=torch.long)
+    counts = {}
+    got_w, got_ids = apply_budget(adapter, router, logits, (weights, ids), groups, 1, 2, "truncate", counts)
+    E = 8
+    assert got_ids.tolist() == [[0, 1], [1, E], [E, E]]
+    assert torch.equal(got_w, torch.tensor([[0.6, 0.3], [0.5, 0.0], [0.0, 0.0]]))  # nothing rescaled
+    assert int(counts["uncovered"]) == 1
+    cover_w, cover_ids = apply_budget(adapter, router, logits, (weights, ids), groups, 1, 2, "truncate_cover")
+    assert cover_ids[1].tolist() == [1, E] and cover_w[1, 0].item() == pytest.approx(0.9)  # rescaled to the total
+    assert set(cover_ids[2].tolist()) <= {0, 1} and (cover_ids[2] != E).any()  # substituted inside S
+
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_truncate_never_leaves_a_token_without_experts(family):
+def test_truncate_cover_never_leaves_a_token_without_experts(family):
     target = load_target(tiny_model(family), device="cpu")
     ids = torch.randint(3, 128, (2, SEQ))
-    spec = BudgetSpec(B=2, window=4, policy="truncate")
+    spec = BudgetSpec(B=2, window=4, policy="truncate_cover")
     out, layers = _budgeted_io(target, ids, spec)
     budgeted = out.window_groups.reshape(-1) >= 0
     empty = (out.topk_ids == target.num_experts).all(-1).reshape(len(layers), -1)  # (L', N)
@@ -124,7 +153,7 @@ def test_truncate_never_leaves_a_token_without_experts(family):
 # ---- B < k and k < B < natural union -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("policy", ["substitute", "truncate"])
+@pytest.mark.parametrize("policy", ["substitute", "truncate", "truncate_cover"])
 @pytest.mark.parametrize("budget", [1, 3])
 def test_budget_below_top_k(family, policy, budget):
     """top_k = 4 of 8 experts, B < k: at most B distinct experts per window, S's B experts fill B slots under
@@ -136,7 +165,8 @@ def test_budget_below_top_k(family, policy, budget):
     unions = window_union(out.topk_ids, out.window_groups, out.n_windows, target.num_experts)
     assert int(unions.max()) <= budget
     filled = (out.topk_ids != target.num_experts).sum(-1)  # (L', B, T)
-    assert int(filled.min()) >= 1
+    if policy != "truncate":  # MoE-Spec's truncation leaves a token with no expert in S without expert output
+        assert int(filled.min()) >= 1
     if policy == "substitute":
         assert (filled == budget).all()
     _assert_matches_reference(family, target, out, layers, spec)
@@ -199,7 +229,7 @@ def test_missing_expert_parallel_flag_is_refused_in_one_line():
         load_target(model, device="cpu", experts_impl="grouped_mm")
 
 
-@pytest.mark.parametrize("policy,budget", [("truncate", 2), ("substitute", 1)])
+@pytest.mark.parametrize("policy,budget", [("truncate", 2), ("truncate_cover", 2), ("substitute", 1)])
 def test_gpt_oss_eager_runs_eager_under_a_budget(policy, budget):
     """GPT-OSS's eager experts have no one-hot class for the sentinel: vat fills dropped slots with a kept expert at
     weight 0 rather than swapping eager for grouped_mm. Same logits as grouped_mm; without the fill eager raises,

@@ -67,7 +67,7 @@ def test_budget_at_least_union_is_bit_identical(family_target):
     for window in (1, 4, 8):
         groups, n = contiguous_windows(torch.ones(2, SEQ, dtype=torch.bool), window)
         max_union = int(window_union(natural.topk_ids, groups, n, target.num_experts).max())
-        for policy in ("substitute", "truncate"):
+        for policy in ("substitute", "truncate", "truncate_cover"):
             budgeted = target.forward(ids, budget=BudgetSpec(B=max_union, window=window, policy=policy))
             assert torch.equal(budgeted.logits, natural.logits), (family, window, policy)
             assert torch.equal(budgeted.topk_ids, natural.topk_ids)
@@ -75,7 +75,7 @@ def test_budget_at_least_union_is_bit_identical(family_target):
 
 # ---- budgets below the union against the brute-force reference (helpers.reference_budget) ----------------------------
 
-@pytest.mark.parametrize("policy", ["substitute", "truncate"])
+@pytest.mark.parametrize("policy", ["substitute", "truncate", "truncate_cover"])
 def test_budget_below_union_matches_brute_force(family_target, policy):
     family, _, target = family_target
     ids = torch.randint(3, 128, (2, SEQ))

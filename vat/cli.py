@@ -124,7 +124,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--benchmark", default=None, help=BENCHMARK_HELP + " (required unless --perplexity-grid)")
     p.add_argument("--window", type=int, default=8, help="window length W (the verification block, K+1)")
     p.add_argument("--budget", default=None, help="expert budget B per layer (int, or comma list per MoE layer)")
-    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate"])
+    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate", "truncate_cover"])
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
     p.add_argument("--max-length", type=int, default=512, help="truncate prompts to this many tokens")
     p.add_argument("--output", required=True, help="output directory")
@@ -188,8 +188,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--budget", default=None, help="comma list of budgets, `none` = natural routing: none,8,4; `auto` = "
                    "AcceptMoE's self-sized set (default: none; auto with --policy acceptmoe)")
-    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate", "acceptmoe"],
-                   help="budget policy: substitute / truncate = MoE-Spec (top-B experts by summed router score); "
+    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate", "truncate_cover", "acceptmoe"],
+                   help="budget policy: substitute / truncate = MoE-Spec (top-B experts by summed router score; truncate "
+                   "gives out-of-set experts zero weight, as the paper; truncate_cover rescales and substitutes "
+                   "tokens left without experts); "
                    "acceptmoe = AcceptMoE (commitment-weighted demand, root anchor, self-sized with --budget auto or "
                    "|S| = B with an int; changes the output) (default substitute)")
     p.add_argument("--commitment", default=None, help="AcceptMoE's p̂_d (probability that depth d is on the accepted "

@@ -91,7 +91,7 @@ class LossConfig:
 @dataclass
 class BudgetConfig:
     B: Any = None  # expert budget per layer: int, list (per MoE layer) or {layer: B}; null = no budget
-    policy: str = "substitute"  # substitute | truncate
+    policy: str = "substitute"  # substitute | truncate (MoE-Spec) | truncate_cover
     window: Optional[int] = None  # window length; null = ttt_steps + 1 (the verification block)
     align: str = "response"  # response: windows restart at each response segment, random phase per row and step |
     # offset: one random offset per step over absolute positions (the old tiling; always with scope batch)
@@ -350,7 +350,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss.acceptance": ("greedy", "expected", "sampled"),
     "loss.union_norm": ("grad_ratio", "none"),
     "drafter.vh_input": ("normed", "prenorm"),
-    "budget.policy": ("substitute", "truncate"),  # vat.target.budget.TRAINING_POLICIES (acceptmoe: vat eval only)
+    "budget.policy": ("substitute", "truncate", "truncate_cover"),  # vat.target.budget.TRAINING_POLICIES (acceptmoe: vat eval only)
     "budget.scope": ("sequence", "batch"),
     "budget.align": ("response", "offset"),
     "train.scheduler": ("cosine", "constant"),

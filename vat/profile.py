@@ -95,7 +95,7 @@ def profile_target(target, prompts_ids: list[list[int]], window: int, budget=Non
         "expert_bytes_per_layer": bytes_per_layer,
         "expert_bytes_per_window": float(torch.cat(window_bytes).mean()),
         "kl_to_unbudgeted": float(torch.cat(kls).mean()) if kls else None,
-        # tokens x layers with no natural expert in the budget set (truncate substitutes them), over all tokens
+        # tokens x layers with no natural expert in the budget set (truncate: no expert output), over all tokens
         "uncovered_fraction": float(torch.stack(uncovered).sum()) / (num_moe * n_tokens) if uncovered else None,
         "experts_impl": target.experts_impl,
         "dtype": str(target.dtype).replace("torch.", ""),

@@ -5,12 +5,14 @@ Pure tensor functions, applied by the router hook in :mod:`vat.target.routing`:
 1. :func:`window_groups` assigns every token of a forward to a budget window (a group id), or -1 (unbudgeted);
 2. :func:`budget_sets` picks each window's expert set S per layer: the window's natural union when it fits in B
    (so B >= union leaves the model bit-identical), else the top-B experts by summed routing score;
-3. :func:`apply_budget` reroutes (``substitute``) or drops (``truncate``) the out-of-budget slots, keeping each
-   family's own weighting rule through its :class:`~vat.target.families.FamilyAdapter`.
+3. :func:`apply_budget` reroutes (``substitute``) or drops (``truncate``, ``truncate_cover``) the out-of-budget
+   slots, keeping each family's own weighting rule through its :class:`~vat.target.families.FamilyAdapter`.
 
-Coverage: a token none of whose natural top-k experts is in S ("uncovered") would get no expert output at all under
-plain truncation; ``truncate`` reroutes such a token by substitution instead (MoE-Spec's coverage intent: every token
-is served by the budget set), and both policies count these tokens (``TargetOutput.n_uncovered``).
+``truncate`` is MoE-Spec's truncation as its paper defines it: an expert outside S gets zero weight and the kept
+weights stay as the router gave them, so a token none of whose natural top-k experts is in S ("uncovered") gets no
+expert output at all. ``truncate_cover`` is vat's earlier hybrid, kept under its own name: the kept weights are
+rescaled to the natural total and an uncovered token is substituted instead. Every policy counts the uncovered tokens
+(``TargetOutput.n_uncovered``).
 
 Policy ``acceptmoe`` (AcceptMoE, docs/verification_policies.md; an eval-time verifier policy, not a training one) is the same
 hook with another selection: per window, commitment-weighted demand u_e = Σ_t α_t r_{t,e} 1[e ∈ K_t] with
@@ -31,7 +33,7 @@ import torch
 from vat.errors import VatError
 from vat.target.families import FamilyAdapter
 
-TRAINING_POLICIES = ("substitute", "truncate")  # MoE-Spec; the policies `budget.policy` of a training recipe takes
+TRAINING_POLICIES = ("substitute", "truncate", "truncate_cover")  # the policies `budget.policy` of a recipe takes
 POLICIES = TRAINING_POLICIES + ("acceptmoe",)  # + AcceptMoE: eval only (its commitment estimate comes from a draft's eval)
 SCOPES = ("sequence", "batch")
 AUTO = "auto"  # B of a self-sized policy (acceptmoe): the policy picks |S| per window and layer
@@ -84,8 +86,9 @@ class BudgetSpec:
     Attributes:
         B: experts kept per MoE layer per window: an int, a list indexed by MoE-layer ordinal, or a mapping
             ``{decoder layer index: B}`` (layers absent from the mapping are not budgeted).
-        policy: ``substitute`` (rerun each token's own top-k inside the budget set) or ``truncate`` (drop the
-            out-of-budget slots and rescale the kept weights to the original total).
+        policy: ``substitute`` (rerun each token's own top-k inside the budget set), ``truncate`` (MoE-Spec: drop
+            the out-of-budget slots, zero weight), ``truncate_cover`` (drop them, rescale the kept weights to the
+            original total, substitute a token left without experts) or ``acceptmoe`` (eval only).
         window: window length W in positions; None = every row's tokens of this forward form one window
             (the verification block).
         offset: windows are ``[offset + jW, offset + (j+1)W)`` in absolute positions (positions before the
@@ -358,8 +361,9 @@ def apply_budget(
     """Budget one MoE layer's routing.
 
     ``substitute``: a token with an expert outside S reruns the model's own selection over S (k slots filled
-    whenever S holds k experts). ``truncate``: its out-of-set slots are dropped and the kept weights rescaled to the
-    natural total; a token with *no* natural expert in S (it would get zero expert output) is substituted instead.
+    whenever S holds k experts). ``truncate`` (MoE-Spec's): its out-of-set slots are dropped (zero weight), the kept
+    weights unchanged; a token with no natural expert in S gets no expert output. ``truncate_cover``: the kept
+    weights are rescaled to the natural total, and a token with *no* natural expert in S is substituted instead.
     ``acceptmoe``: S from commitment-weighted demand (:func:`budget_sets` with ``token_weight`` / ``anchor``), then
     substitution.
 
@@ -371,7 +375,7 @@ def apply_budget(
         groups: (N,) window id per token, -1 = leave natural.
         n_groups: number of windows.
         budget: B for this layer; None = self-sized (``acceptmoe`` only).
-        policy: ``substitute``, ``truncate`` or ``acceptmoe``.
+        policy: ``substitute``, ``truncate``, ``truncate_cover`` or ``acceptmoe``.
         counts: if given, receives ``"uncovered"``: a 0-d int64 tensor, the budgeted tokens none of whose natural
             experts is in S (no host sync: it stays on the device); and, unless nothing is restricted (B >= E),
             ``"allowed"``: (N, E) bool, each token's window set S (all True for unbudgeted tokens).
@@ -412,14 +416,18 @@ def apply_budget(
         counts["uncovered"] = uncovered.sum()
     if bool(inside.all()):
         return weights, ids
-    sub_w, sub_ids = adapter.select(router, logits, allowed)
-    sub_w = sub_w.to(weights.dtype)
-    if policy != "truncate":
-        new_w, new_ids = sub_w, sub_ids
+    if policy == "truncate":  # MoE-Spec: out-of-set experts get zero weight, nothing rescaled or substituted
+        new_w = torch.where(in_set, weights, torch.zeros_like(weights))
+        new_ids = torch.where(in_set, ids, torch.full_like(ids, num_experts))
     else:
-        new_w, new_ids = _truncate(weights, ids, in_set, num_experts)
-        new_w = torch.where(uncovered[:, None], sub_w, new_w)  # coverage: nothing left to truncate to
-        new_ids = torch.where(uncovered[:, None], sub_ids, new_ids)
+        sub_w, sub_ids = adapter.select(router, logits, allowed)
+        sub_w = sub_w.to(weights.dtype)
+        if policy != "truncate_cover":
+            new_w, new_ids = sub_w, sub_ids
+        else:
+            new_w, new_ids = _truncate(weights, ids, in_set, num_experts)
+            new_w = torch.where(uncovered[:, None], sub_w, new_w)  # coverage: nothing left to truncate to
+            new_ids = torch.where(uncovered[:, None], sub_ids, new_ids)
     keep_natural = inside[:, None]
     return torch.where(keep_natural, weights, new_w), torch.where(keep_natural, ids, new_ids)
 

@@ -40,8 +40,8 @@ class TargetOutput:
         n_windows: number of budget windows.
         past_key_values: the KV cache when ``use_cache``.
         n_uncovered: (L',) int64, when a budget was applied: budgeted tokens per MoE layer none of whose natural
-            top-k experts was in the window's budget set (``truncate`` substitutes them rather than leave them
-            with no expert output; ``substitute`` reroutes them as any other). On the target's device, no sync.
+            top-k experts was in the window's budget set (``truncate`` leaves them with no expert output,
+            ``truncate_cover`` substitutes them; ``substitute`` reroutes them as any other). On the target's device, no sync.
     """
 
     logits: torch.Tensor

@@ -171,9 +171,13 @@ def fill_dropped_slots(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
         num_experts: E.
 
     Returns:
-        (N, k) ids in ``[0, E)`` wherever the row keeps an expert (every budgeted row does: S is never empty and a
-        token with no natural expert in S is substituted); an all-dropped row would be left as is.
+        (N, k) ids in ``[0, E)``. A row with no kept expert (a token MoE-Spec's ``truncate`` leaves without expert
+        output) takes the lowest expert any row keeps, one the forward runs anyway (expert 0 when no row keeps one),
+        still at weight 0.
     """
     dropped = ids == num_experts  # (N, k)
-    first_kept = torch.where(dropped, torch.full_like(ids, num_experts), ids).min(dim=1, keepdim=True).values  # (N, 1)
+    kept_or_e = torch.where(dropped, torch.full_like(ids, num_experts), ids)  # (N, k)
+    first_kept = kept_or_e.min(dim=1, keepdim=True).values  # (N, 1)
+    any_kept = kept_or_e.min() % num_experts  # () an expert some row runs (0 when none does)
+    first_kept = torch.where(first_kept == num_experts, any_kept, first_kept)
     return torch.where(dropped, first_kept.expand_as(ids), ids)
