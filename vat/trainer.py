@@ -450,7 +450,7 @@ class Trainer:
         vh_logits = slots.vh_logits  # (B, A, K) or None
         # the union term's work (expected expert use over the draft vocab, soft union, its sampled anchors) runs when
         # it is penalised, else only on the steps that log its metric (union_sim): at λ = 0 it changes no gradient
-        union = bool(self.switches.union_weight) or self._logs_this_step()
+        union = bool(self.switches.union_weight) or self._logs_at(self.step + 1)
         loss, metrics = vat_objective(
             slots.logits, slots.imitation, valid, self.switches, vh_logits=vh_logits,
             affinity=self.affinity.table() if union else None,
@@ -471,9 +471,9 @@ class Trainer:
         metrics["tokens"] = attention.sum().float()
         return loss, metrics
 
-    def _logs_this_step(self) -> bool:
-        """Whether the optimizer step now running writes a metrics record (the train loop's own rule)."""
-        step = self.step + 1  # the loop counts a step once its micro-batches ran
+    def _logs_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based: the loop counts a step once its micro-batches ran) writes a
+        metrics record."""
         return step % self.cfg.train.log_every == 0 or step == self.total_steps
 
     def _tracked_layers(self, anchor_routing: torch.Tensor) -> torch.Tensor:
@@ -560,7 +560,7 @@ class Trainer:
             if not losses:
                 continue
             window_tokens += float(sums.get("tokens", 0.0))
-            if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:  # = _logs_this_step()
+            if self._logs_at(self.step):
                 record = self._reduce(sums, torch.stack(losses).mean())
                 elapsed = max(time.time() - window_start, 1e-9)
                 record["tokens_per_s"] = window_tokens * self.accelerator.num_processes / elapsed

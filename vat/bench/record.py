@@ -102,14 +102,13 @@ def _write_json(path: str, data: Any) -> None:
 
 
 def _copy(src: str, dst: str) -> None:
-    if os.path.abspath(src) != os.path.abspath(dst):
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        shutil.copy2(src, dst)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    shutil.copy2(src, dst)
 
 
 def record_cell(cell: str, dest: str) -> list[str]:
     """Write one finished cell's record (:data:`CELL_FILES`, its eval.json compacted) from folder ``cell`` to folder
-    ``dest`` (may be ``cell``); returns the paths written."""
+    ``dest``; returns the paths written."""
     kept = []
     for name in CELL_FILES:
         if os.path.isfile(os.path.join(cell, name)):
@@ -148,25 +147,3 @@ def write_record(bench: Any, dest: str) -> dict[str, int]:
     for cell in cells:
         kept += record_cell(cell.directory, os.path.join(dest, os.path.relpath(cell.directory, cells_dir)))
     return {"files": len(kept), "bytes": sum(os.path.getsize(p) for p in kept), "cells": len(cells)}
-
-
-def compact_in_place(root: str) -> dict[str, int]:
-    """Cut every recorded cell under ``root`` (a folder of committed bench records) down to its record, deleting
-    the rest of each cell's files; returns ``{"cells": n, "bytes": size of root after}``."""
-    cells = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(root, "**", "cell.json"), recursive=True))
-    for cell in cells:
-        keep = set(map(os.path.abspath, record_cell(cell, cell)))
-        _remove_everything_but(cell, keep)
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-    return {"cells": len(cells), "bytes": size}
-
-
-def _remove_everything_but(root: str, keep: set[str]) -> None:
-    """Delete every file under ``root`` not in ``keep`` (absolute paths), then the folders left empty."""
-    for folder, _, files in os.walk(root, topdown=False):
-        for name in files:
-            path = os.path.abspath(os.path.join(folder, name))
-            if path not in keep:
-                os.remove(path)
-        if not os.listdir(folder):
-            os.rmdir(folder)
