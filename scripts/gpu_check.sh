@@ -19,8 +19,8 @@
 # Offline: nothing is installed unless --wheels DIR is given (then `pip install --no-index --find-links DIR` of the
 # wheels in DIR, e.g. a newer transformers; into the system site, else --user, else a directory under RESULTS_DIR put
 # first on PYTHONPATH). vat runs from this checkout: if `import vat.kernels` does not already
-# resolve here, a symlinked package tree under RESULTS_DIR/.vat_path maps vat -> vat/, vat.kernels -> kernels/,
-# vat.data_prep -> data_prep/, vat.recipes -> recipes/ (pyproject's package-dir) on PYTHONPATH — no pip, no network.
+# resolve here, a symlinked package tree under RESULTS_DIR/.vat_path maps vat -> vat/ and
+# vat.recipes -> recipes/ (pyproject's package-dir) on PYTHONPATH — no pip, no network.
 # The Python used is $PYTHON (default: python3); it needs CUDA torch, triton and transformers 5.x.
 #
 # --dry-run: the same stages on CPU through the Triton interpreter at tiny shapes (seconds; what CI runs): the GPU
@@ -42,7 +42,7 @@ RESULTS="${RESULTS:-${OUT:-$PWD/gpu_check_results}}"
 mkdir -p "$RESULTS"
 RESULTS="$(cd "$RESULTS" && pwd)"
 # run from RESULTS, never from the checkout's root: there `import vat` would find ./vat first (cwd leads sys.path
-# for -c / -m), which has no vat.kernels — that lives in ./kernels (pyproject package-dir)
+# for -c / -m), bypassing the wheels' site and the shim below
 cd "$RESULTS"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 export PYTHONDONTWRITEBYTECODE=1
@@ -74,8 +74,6 @@ if ! vat_here; then
   SHIM="$RESULTS/.vat_path"
   rm -rf "$SHIM" && mkdir -p "$SHIM/vat"
   for entry in "$REPO"/vat/*; do ln -s "$entry" "$SHIM/vat/$(basename "$entry")"; done
-  ln -s "$REPO/kernels" "$SHIM/vat/kernels"
-  ln -s "$REPO/data_prep" "$SHIM/vat/data_prep"
   ln -s "$REPO/recipes" "$SHIM/vat/recipes"
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
   vat_here || { log "cannot import vat.kernels from $REPO (see $RESULTS/env.txt)"; STATUS=2; }

@@ -3,6 +3,8 @@ package directories are mapped, so nothing is discovered), and a package left ou
 missing from a regular one."""
 
 import os
+import subprocess
+import sys
 
 import tomllib
 from conftest import REPO_ROOT
@@ -21,3 +23,20 @@ def test_every_package_directory_is_listed_in_pyproject():
                 rel = os.path.relpath(folder, root)
                 found.add(name if rel == "." else f"{name}.{rel.replace(os.sep, '.')}")
     assert found - listed == set(), "packages missing from [tool.setuptools] packages in pyproject.toml"
+
+
+def test_the_repository_root_shadows_no_installed_package():
+    """Under ``python -m`` (and pytest's rootdir) the repository root leads sys.path, so a top-level package there
+    hides an installed one of the same name: a top-level kernels/ hid Hugging Face's ``kernels``, which
+    transformers >= 5.25 imports from transformers.activations, and every model import failed. Only ``vat`` and
+    the recipes (installed as vat.recipes) may be packages at the root."""
+    top_level = {d for d in os.listdir(REPO_ROOT) if os.path.isfile(os.path.join(REPO_ROOT, d, "__init__.py"))}
+    assert top_level == {"vat", "recipes"}
+    probe = (
+        "import importlib.util, sys; import transformers.activations; "
+        "spec = importlib.util.find_spec('kernels'); print(spec.origin if spec and spec.origin else '')"
+    )
+    # cwd = the repository root and -c: sys.path[0] is the root, as for `python -m vat` run there
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not done.stdout.strip().startswith(REPO_ROOT + os.sep)
