@@ -49,7 +49,7 @@ def _paths(run: str, eval_json: str | None) -> tuple[str, str | None]:
 def build_trainer(train_dir: str, budget: int | None, workdir: str):
     """The run's own trainer with its final draft loaded (``train.init_from``) and the budget ``B`` set."""
     from vat.config import load_config
-    from vat.trainer import Trainer
+    from vat.train.trainer import Trainer
 
     overrides = [f"train.init_from={os.path.join(train_dir, 'final')}", f"output_dir={workdir}", "resume=null",
                  "logging.progress=false", "train.lora=null"]
@@ -202,7 +202,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vat-gap-") as workdir:
         trainer = build_trainer(train_dir, int(budget), workdir)
         try:
-            from vat.data import collate
+            from vat.train.data import collate
 
             batches, overlap = held_out_batches(trainer, args.batches, args.held_out_from)
             sums: dict[str, tuple[float, float]] = {}

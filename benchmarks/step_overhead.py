@@ -28,7 +28,7 @@ VARIANTS = {
 
 def build(variant: list[str], args) -> object:
     from vat.config import load_config
-    from vat.trainer import Trainer
+    from vat.train.trainer import Trainer
 
     cfg = load_config(args.recipe, [
         f"target.path={args.target}", f"data.train={args.data}", f"output_dir={args.workdir}",
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="write the timings as JSON")
     args = parser.parse_args()
 
-    from vat.data import collate
+    from vat.train.data import collate
 
     trainers = {name: build(v, args) for name, v in VARIANTS.items()}
     first = trainers["eagle3"]

@@ -16,7 +16,7 @@ import torch
 
 def run(grads_dir: str, overrides: list[str]) -> None:
     from vat.config import load_config
-    from vat.trainer import Trainer
+    from vat.train.trainer import Trainer
 
     os.makedirs(grads_dir, exist_ok=True)
     trainer = Trainer(load_config(None, overrides))

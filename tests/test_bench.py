@@ -243,7 +243,7 @@ def test_bench_continuations_name_their_source_by_seed(tmp_path):
 def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
     from vat.bench.cells import plan_cells
     from vat.cli import main as vat_main
-    from vat.trainer import main as train_main
+    from vat.train.trainer import main as train_main
 
     out = tmp_path / "bench"
     # a cell whose training was killed after its step-4 checkpoint: the bench resumes it rather than restarting

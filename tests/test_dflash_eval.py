@@ -215,7 +215,7 @@ def test_block_decoding_on_the_quick_tiny_target_is_its_greedy_decode(tmp_path):
     from vat.config import load_config
     from vat.export import load_draft
     from vat.target.model import resolve_target_path
-    from vat.trainer import main as train_main
+    from vat.train.trainer import main as train_main
 
     out = str(tmp_path / "run")
     train_main(load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny",

@@ -105,7 +105,7 @@ def test_dflash_preset_loss_is_the_weighted_mean_of_hard_ce_on_the_data_token():
 
 
 def _train(out, *extra):
-    from vat.trainer import main as train_main
+    from vat.train.trainer import main as train_main
 
     cfg = load_config(os.path.join(RECIPES, extra[0]), [
         "target.path=tiny-quick", f"output_dir={out}", "data.tokens_per_batch=512", "data.max_batch_size=4",

@@ -146,7 +146,7 @@ def _fold_worker(rank: int, world: int, init: str, batches: list, out: str) -> N
     import torch.distributed as dist
 
     from vat.affinity import OnlineAffinity
-    from vat.distributed import gather_rows
+    from vat.train.distributed import gather_rows
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -187,7 +187,7 @@ def test_gathered_affinity_fold_equals_one_process_fold_with_real_gloo(tmp_path)
 
 
 def test_resume_position_counts_global_batches():
-    from vat.distributed import world_size_position
+    from vat.train.distributed import world_size_position
 
     assert world_size_position(3, 2, 1) == (6, 0)  # 2 -> 1 process: 6 global batches done
     assert world_size_position(6, 1, 2) == (3, 0)
@@ -212,7 +212,7 @@ def test_fsdp_is_refused_on_cpu_in_one_line(train_workspace, tmp_path):
         pytest.skip("GPU machine: FSDP2 is available")
     from vat.config import load_config
     from vat.errors import VatError
-    from vat.trainer import main as train_main
+    from vat.train.trainer import main as train_main
 
     with pytest.raises(VatError, match=r"^train.fsdp needs GPUs"):
         train_main(load_config(None, [*train_overrides(train_workspace, str(tmp_path / "x")), "train.fsdp=true"]))
@@ -225,9 +225,9 @@ def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from vat.config import LoraTrainConfig
-    from vat.distributed import full_state_dicts, load_full_state_dicts
     from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from vat.lora import apply_lora, merged_draft
+    from vat.train.distributed import full_state_dicts, load_full_state_dicts
+    from vat.train.lora import apply_lora, merged_draft
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:

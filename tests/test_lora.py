@@ -12,8 +12,8 @@ import torch
 from helpers import read_metrics, train_config
 
 from vat.errors import VatError
-from vat.trainer import Trainer
-from vat.trainer import main as train_main
+from vat.train.trainer import Trainer
+from vat.train.trainer import main as train_main
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def _lora(ws, src, out, *extra):
 
 
 def _first_batch(trainer):
-    from vat.data import collate
+    from vat.train.data import collate
 
     indices = trainer.batches.epoch(0)[0]
     batch = collate([trainer.dataset[i] for i in indices], trainer.pad_id)
@@ -82,7 +82,7 @@ def test_lora_merged_exports_equal_the_adapted_model(train_workspace, source, tm
     """After training, final/ (merged), its SGLang and speculators exports and peft's own merge_and_unload all give
     the adapted (unmerged) model's logits."""
     from vat.export import export_sglang, export_speculators, load_draft
-    from vat.lora import lora_modules, merged_state_dict
+    from vat.train.lora import lora_modules, merged_state_dict
 
     out = tmp_path / "run"
     trainer = Trainer(_lora(train_workspace, source, str(out), "train.max_steps=3", "train.lora.dropout=0.1"))

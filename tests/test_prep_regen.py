@@ -9,10 +9,10 @@ import datasets
 import pytest
 from helpers import build_small_tokenizer
 from tiny_models import tiny_model
-from vat.data_prep.readers import iter_records
-from vat.data_prep.regen import Regenerator, regenerate_file
 
 from vat.cli import main as vat_main
+from vat.data_prep.readers import iter_records
+from vat.data_prep.regen import Regenerator, regenerate_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -322,10 +322,10 @@ def test_tiny_regen_data_is_built_cached_and_resumable(tmp_path, monkeypatch):
     assistant-only mask, cached under $VAT_HOME/data with its settings in the name; the regen file is resumed.
     A tiny random target stands in for the quick build (same place, same report keys)."""
     from tiny_models import save_tiny_target
-    from vat.data_prep.tiny_target import REPORT_FILE
 
-    from vat import defaults
+    from vat.data_prep.tiny_target import REPORT_FILE
     from vat.paths import sharegpt_path, tiny_cache_name, tiny_seed, tiny_target_dir
+    from vat.train import defaults
 
     monkeypatch.setenv("VAT_HOME", str(tmp_path))
     target = tmp_path / os.path.basename(tiny_target_dir("quick"))  # -seedN under $VAT_TINY_SEED = N
@@ -366,8 +366,7 @@ def test_every_max_length_cut_of_one_regen_file_takes_the_same_lock(monkeypatch,
     import contextlib
 
     import vat.data_prep.tiny_target as tt
-
-    from vat.defaults import ensure_tiny_regen_data
+    from vat.train.defaults import ensure_tiny_regen_data
 
     monkeypatch.setenv("VAT_HOME", str(tmp_path))
     seen = []

@@ -12,7 +12,7 @@ from tiny_models import save_tiny_target
 
 from vat.cli import main as vat_main
 from vat.errors import VatError
-from vat.trainer import main as train_main
+from vat.train.trainer import main as train_main
 
 
 def test_train_writes_metrics_checkpoints_and_final(train_workspace, tmp_path):
@@ -91,7 +91,7 @@ def test_two_process_ddp_training_with_gloo(train_workspace, tmp_path):
     lines = read_metrics(str(out))
     assert [r["step"] for r in lines] == [1, 2, 3]
     # the logged token count is the global sum over both ranks' batches of that step
-    from vat.data import BucketedBatches, load_prepared
+    from vat.train.data import BucketedBatches, load_prepared
 
     ds, _ = load_prepared(train_workspace["data"], max_length=160)
     lengths = list(ds["length"])
@@ -131,7 +131,7 @@ def test_init_from_a_speculators_draft_continues_with_vat_losses(train_workspace
     from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from vat.export import export_speculators
     from vat.export.target_embedding import read_target_embedding
-    from vat.trainer import Trainer
+    from vat.train.trainer import Trainer
 
     tc = AutoConfig.from_pretrained(train_workspace["target"])
     ids = [0, 1, tc.num_hidden_layers - 1]
@@ -188,8 +188,8 @@ def test_budgeted_training_forward_prefills_the_prompt_unbudgeted(train_workspac
     change; budgeting the whole sequence (the old behaviour) changes the prompt positions too."""
     from dataclasses import replace
 
-    from vat.data import collate
-    from vat.trainer import Trainer
+    from vat.train.data import collate
+    from vat.train.trainer import Trainer
 
     trainer = Trainer(train_config(train_workspace, str(tmp_path / "pf"), "method=vat", "budget.B=1",
                                    "target.experts_impl=eager"))
@@ -236,9 +236,9 @@ def test_budgeted_training_folds_natural_routing_into_the_affinity_table(train_w
     budgeted the first layer is still exact and later layers are closer to natural than the executed ids."""
     import copy
 
-    from vat.data import collate
     from vat.target import BudgetSpec
-    from vat.trainer import Trainer
+    from vat.train.data import collate
+    from vat.train.trainer import Trainer
 
     trainer = Trainer(train_config(train_workspace, str(tmp_path / "nat"), "method=vat", "budget.B=[null,1]",
                                    "target.experts_impl=eager"))
@@ -290,9 +290,9 @@ def test_budget_align_response_restarts_windows_at_the_response_and_offset_keeps
     """budget.align=response: each row's windows start at its first response position plus that row's phase (seeded
     per step and batch, so a rerun draws the same); budget.align=offset: the step's absolute offset tiling, which
     scope=batch (rows sharing one window set) keeps whatever the alignment."""
-    from vat.data import collate
     from vat.target.budget import window_groups
-    from vat.trainer import Trainer
+    from vat.train.data import collate
+    from vat.train.trainer import Trainer
 
     groups = {}
     for align, scope in (("response", "sequence"), ("offset", "sequence"), ("response", "batch")):

@@ -23,6 +23,7 @@ E, K = 8, 2  # the tiny test target: 8 experts, top-2
 def workspace(tmp_path_factory):
     """A saved tiny OLMoE target (8 experts, top-2) and a prepared chat dataset built with its tokenizer."""
     from conftest import SPEC_BENCH
+
     from vat.data_prep.chat import prepare_chat
 
     root = tmp_path_factory.mktemp("window_pool")
@@ -57,7 +58,7 @@ def _trainer(ws, out, *extra) -> WindowPoolTrainer:
 
 
 def _batch(trainer, n=4):
-    from vat.data import collate
+    from vat.train.data import collate
 
     return collate([trainer.dataset[i] for i in range(n)], trainer.pad_id)
 
@@ -197,7 +198,7 @@ def _fitted_target(ws, path, steps=40):
     no routing change could lower it): what continued pretraining starts from."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vat.data import collate, load_prepared
+    from vat.train.data import collate, load_prepared
 
     ds, _ = load_prepared(ws["data"], 256, 8)
     batch = collate([ds[i] for i in range(8)])
@@ -302,7 +303,7 @@ def test_perplexity_grid_side_by_side(workspace, tmp_path):
     # the natural cell is the plain model's perplexity
     from transformers import AutoModelForCausalLM
 
-    from vat.data import collate
+    from vat.train.data import collate
     from vat.window_pool.data import heldout_sequences
 
     rows = heldout_sequences(workspace["data"], workspace["target"], workspace["target"], 40, 6)

@@ -165,7 +165,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny/eagle3_vat.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides key.sub=value")
-    p.set_defaults(func=_dispatch("vat.trainer:cli_main"))
+    p.set_defaults(func=_dispatch("vat.train.trainer:cli_main"))
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:

@@ -101,7 +101,7 @@ class BudgetConfig:
 
 @dataclass
 class LoraTrainConfig:
-    """``train.lora``: LoRA adapters (peft) on the draft's decoder layer; exports are merged (vat/lora.py)."""
+    """``train.lora``: LoRA adapters (peft) on the draft's decoder layer; exports are merged (vat/train/lora.py)."""
 
     r: int = 16  # adapter rank
     alpha: float = 32.0  # peft lora_alpha: the update is scaled by alpha / r
@@ -228,7 +228,8 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _closest(key: str, valid: list[str]) -> str:
+def closest_hint(key: str, valid: list[str]) -> str:
+    """`` (did you mean `x`?)`` naming the valid key (or value) closest to ``key``, else ""."""
     last = key.split(".")[-1]
     cands = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if not cands:
@@ -244,7 +245,7 @@ def _check_keys(user: Any, schema: DictConfig, prefix: str = "") -> None:
     for k in user.keys():
         full = f"{prefix}{k}"
         if full not in valid:
-            raise VatError(f"unknown config key `{full}`{_closest(full, valid)}")
+            raise VatError(f"unknown config key `{full}`{closest_hint(full, valid)}")
         sub = schema
         for part in full.split("."):
             sub = _expand_optional(sub)._get_node(part)
@@ -322,7 +323,7 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[list[str]] = N
         key = item.split("=", 1)[0].lstrip("+")
         valid = _all_keys(schema)
         if key not in valid and not key.startswith("budget.B."):
-            raise VatError(f"unknown config key `{key}`{_closest(key, valid)}")
+            raise VatError(f"unknown config key `{key}`{closest_hint(key, valid)}")
         layers.append(OmegaConf.from_dotlist([item.lstrip("+")]))
     try:
         cfg = OmegaConf.merge(schema, *layers)
@@ -346,7 +347,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kind": ("draft", "window_pool"),
     "window_pool.loss_on": ("all", "mask"),
     "target.experts_impl": ("eager", "grouped_mm", "batched_mm", "triton"),
-    "drafter.kind": ("eagle3", "dflash"),
     "loss.acceptance": ("greedy", "expected", "sampled"),
     "loss.union_norm": ("grad_ratio", "none"),
     "drafter.vh_input": ("normed", "prenorm"),
@@ -368,14 +368,14 @@ def _check_choices(cfg: Any) -> None:
         if value == "False" and "no" in valid:  # YAML reads an unquoted `no` as false
             node[leaf] = value = "no"
         if value not in valid:
-            raise VatError(f"bad value `{value}` for config key `{key}`{_closest(str(value), list(valid))}; "
+            raise VatError(f"bad value `{value}` for config key `{key}`{closest_hint(str(value), list(valid))}; "
                            f"one of {', '.join(valid)}")
 
 
 def apply_method_preset(cfg: Any) -> None:
     """Fill every ``null`` loss/drafter switch from the ``method`` preset (explicit values win)."""
     if cfg.method not in METHOD_PRESETS:
-        raise VatError(f"unknown method `{cfg.method}`{_closest(cfg.method, list(METHOD_PRESETS))}; one of {sorted(METHOD_PRESETS)}")
+        raise VatError(f"unknown method `{cfg.method}`{closest_hint(cfg.method, list(METHOD_PRESETS))}; one of {sorted(METHOD_PRESETS)}")
     preset = METHOD_PRESETS[cfg.method]
     for key in ("adaptive_weights", "vh_weight", "soft_weight", "hard_weight", "imitation_norm"):
         if cfg.loss[key] is None:

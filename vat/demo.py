@@ -109,7 +109,7 @@ class Stages:
 def ensure_demo_data(plan: DemoPlan) -> str:
     """The target's own regenerated answers to the plan's first ShareGPT rows, prepared for training: the recipes'
     ``data.train: tiny-regen`` at the plan's size (cached)."""
-    from vat.defaults import ensure_tiny_regen_data
+    from vat.train.defaults import ensure_tiny_regen_data
 
     return ensure_tiny_regen_data(plan.target, conversations=plan.regen_conversations, max_length=_max_length(plan))
 
@@ -117,7 +117,8 @@ def ensure_demo_data(plan: DemoPlan) -> str:
 def train_draft(name: str, recipe_and_overrides: list[str], plan: DemoPlan, data: str, vocab: str, out: str) -> str:
     """Train one draft (reused when ``final/`` exists for the same resolved config)."""
     from vat.config import load_config, to_yaml
-    from vat.trainer import main as train_main
+    from vat.train.kinds import drafter_kind
+    from vat.train.trainer import main as train_main
 
     recipe, extra = os.path.join(REPO_RECIPES, recipe_and_overrides[0]), recipe_and_overrides[1:]
     run_dir = os.path.join(out, "train", name.replace("+", "_"))
@@ -125,7 +126,7 @@ def train_draft(name: str, recipe_and_overrides: list[str], plan: DemoPlan, data
         f"target.path={plan.target}", f"data.train={data}", f"output_dir={run_dir}",
         f"train.max_steps={plan.train_steps}", *plan.train_overrides, *extra,
     ])
-    if cfg.drafter.kind != "dflash":  # a DFlash draft predicts over the target's whole vocabulary
+    if not drafter_kind(cfg.drafter.kind).full_vocab:  # a DFlash draft predicts over the target's whole vocabulary
         cfg.data.vocab = vocab
     final = os.path.join(run_dir, "final")
     saved = os.path.join(final, "config.yaml")
@@ -143,10 +144,10 @@ def train_draft(name: str, recipe_and_overrides: list[str], plan: DemoPlan, data
 def main(args: argparse.Namespace) -> int:
     """Entry point of `vat demo`."""
     from vat.data_prep.tiny_target import ensure_tiny_target
-    from vat.defaults import ensure_draft_vocab
     from vat.eval.run import run_eval
     from vat.paths import tiny_size, tiny_target_dir
     from vat.report import write_demo_report
+    from vat.train.defaults import ensure_draft_vocab
 
     plan = plan_for(args.quick, dflash=getattr(args, "dflash", False))
     out = os.path.abspath(args.output)

@@ -414,8 +414,8 @@ def train_stage(cfg: Any) -> dict:
         ``final`` (the draft dir), ``seconds`` (training wall time, steps run before a kill included), ``steps``,
         ``tokens`` (training tokens), ``final_tau_sim``, ``resumed_from_step``, ``reused``.
     """
-    from vat.checkpointing import list_checkpoints
-    from vat.trainer import main as train_main
+    from vat.train.checkpointing import list_checkpoints
+    from vat.train.trainer import main as train_main
 
     run_dir = cfg.output_dir
     final = os.path.join(run_dir, "final")
@@ -463,7 +463,7 @@ def tokens_until(records: list[dict], step: int) -> float:
 
 def prune_checkpoints(run_dir: str, keep_steps: list[int]) -> None:
     """Drop the checkpoints no curve point reads, once the draft is final (they exist only for resuming)."""
-    from vat.checkpointing import list_checkpoints
+    from vat.train.checkpointing import list_checkpoints
 
     if not os.path.exists(os.path.join(run_dir, "final")):
         return

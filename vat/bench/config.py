@@ -1,7 +1,7 @@
 """The `vat bench` config: seeds x methods -> trained drafts -> real eval -> intervals (docs/bench.md).
 
 Its own schema and loader beside the training config's (:mod:`vat.config`), whose key checks it reuses
-(``_all_keys``, ``_check_keys``, ``_closest``), so an unknown bench key stops at once with the closest valid one, as
+(``_all_keys``, ``_check_keys``, ``closest_hint``), so an unknown bench key stops at once with the closest valid one, as
 for a training recipe. It lives in the bench package because checking a bench's eval settings needs the eval layer
 (budget policies, tree policies, accelerators, free drafts), which the training config must not import.
 """
@@ -15,7 +15,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from vat.config import _all_keys, _check_keys, _closest, load_yaml_mapping
+from vat.config import _all_keys, _check_keys, closest_hint, load_yaml_mapping
 from vat.errors import VatError
 from vat.eval.free_drafts import DEFAULT_GRID, GRID_NAME, expand_baselines, parse_free_draft
 
@@ -161,7 +161,7 @@ def load_bench_config(path: Optional[str], overrides: Optional[list[str]] = None
     for item in items:
         key = item.split("=", 1)[0].lstrip("+")
         if key not in valid:
-            raise VatError(f"unknown bench config key `{key}`{_closest(key, valid)}")
+            raise VatError(f"unknown bench config key `{key}`{closest_hint(key, valid)}")
         layers.append(OmegaConf.from_dotlist([item.lstrip("+")]))
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(BenchConfig), *layers)
@@ -199,16 +199,16 @@ def _check_bench(cfg: Any) -> None:
             raise VatError(f"method {label}: `overrides` are training overrides; a `draft` method trains nothing")
     if cfg.reference not in cfg.methods:
         raise VatError(f"bench config key `reference`: `{cfg.reference}` is not a method"
-                       f"{_closest(cfg.reference, list(cfg.methods))}; one of {', '.join(cfg.methods)}")
+                       f"{closest_hint(cfg.reference, list(cfg.methods))}; one of {', '.join(cfg.methods)}")
     for other in cfg.compare:
         if other not in cfg.methods:
             raise VatError(f"bench config key `compare`: `{other}` is not a method"
-                           f"{_closest(str(other), list(cfg.methods))}; one of {', '.join(cfg.methods)}")
+                           f"{closest_hint(str(other), list(cfg.methods))}; one of {', '.join(cfg.methods)}")
     cfg.baselines = expand_baselines(cfg.baselines)
     for base in cfg.baselines:
         if base != "none" and not _names_free_draft(base):
             known = ["none", GRID_NAME, "ngram", "suffix", *DEFAULT_GRID]
-            raise VatError(f"bad baseline `{base}`{_closest(str(base), known)}; `none`, `{GRID_NAME}` (the grid "
+            raise VatError(f"bad baseline `{base}`{closest_hint(str(base), known)}; `none`, `{GRID_NAME}` (the grid "
                            f"{', '.join(DEFAULT_GRID)}) or a free draft name (ngram-RULE-MIN-MAX, suffix[-dDEPTH])")
     for label in cfg.methods:
         if label in ("none", GRID_NAME) or _names_free_draft(label):

@@ -254,7 +254,6 @@ def _layer_positions(moe_layer_ids: list[int], requested: list[int] | None) -> l
 def main(args) -> int:
     """Entry point of ``vat prep affinity``."""
     from vat.data_prep.vocab import load_draft_vocab, load_prepared_dataset, target_to_draft_ids
-
     from vat.target import load_target
 
     t0 = time.time()

@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from vat.data_prep.readers import ReadStats, iter_records
-
 from vat.errors import VatError, require_file
 
 logger = logging.getLogger(__name__)
@@ -284,6 +283,7 @@ def prepare_chat(
         The stats dict written to ``stats.json``.
     """
     import datasets
+
     from vat.data_prep.templates import mask_method
 
     t0 = time.time()

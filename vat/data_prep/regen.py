@@ -35,9 +35,9 @@ from collections import Counter
 from collections.abc import Iterator
 
 import torch
+
 from vat.data_prep.chat import normalize_record
 from vat.data_prep.readers import ReadStats, iter_records
-
 from vat.errors import VatError, require_file
 from vat.target.cache import cache_kwargs
 

@@ -28,12 +28,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 import torch
+
 from vat.data_prep.chat import normalize_record
 from vat.data_prep.code_chats import read_code_chats
 from vat.data_prep.readers import ReadStats, iter_records
 from vat.data_prep.tiny_pretrain import pretrain
 from vat.data_prep.tokenizer_train import ENDOFTEXT, IM_END, MASK, PAD, train_tokenizer
-
 from vat.errors import VatError
 from vat.paths import TINY_SIZES, sharegpt_path, tiny_seed, tiny_target_dir
 

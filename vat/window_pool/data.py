@@ -4,7 +4,7 @@
 (:func:`vat.data_prep.tiny_target.read_conversations`), rendered with its chat template and packed into rows of its
 ``seq_len`` exactly as it was pretrained; ``tiny-heldout`` is that build's held-out conversations (the set its build
 report measures perplexity on), never seen by the target nor by Window Pool training. Any other value is a prepared
-dataset directory (``vat prep chat``) or the tiny names of :mod:`vat.defaults`.
+dataset directory (``vat prep chat``) or the tiny names of :mod:`vat.train.defaults`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ HELDOUT_NAME = "tiny-heldout"
 
 @dataclass
 class TokenRows:
-    """Sequences as a list-like of ``{"input_ids", "loss_mask"}`` rows (what :func:`vat.data.collate` reads)."""
+    """Sequences as a list-like of ``{"input_ids", "loss_mask"}`` rows (what :func:`vat.train.data.collate` reads)."""
 
     ids: list[list[int]]
     masks: list[list[int]]
@@ -70,8 +70,8 @@ def training_rows(name: str, target_path: str, tokenizer_dir: str, max_length: i
             rows = rows[:limit]
         ids = rows.tolist()
         return TokenRows(ids, [[1] * len(r) for r in ids])
-    from vat.data import load_prepared
-    from vat.defaults import TINY_DATA_NAMES, resolve_train_data
+    from vat.train.data import load_prepared
+    from vat.train.defaults import TINY_DATA_NAMES, resolve_train_data
 
     if name in TINY_DATA_NAMES:
         name = resolve_train_data(name, target_path if target_path in TINY_TARGET_NAMES else "tiny",

@@ -71,7 +71,7 @@ def evaluate_target(target, rows, cells: list[Cell], batch_size: int = 8, policy
         ``{cell name: {"ppl", "masked_ppl", "kl", "agreement", "mean_union", "uncovered_fraction", "tokens",
         "window", "experts"}}``.
     """
-    from vat.data import collate
+    from vat.train.data import collate
 
     sums = {c.name: {"nll": 0.0, "nll_m": 0.0, "n": 0, "n_m": 0, "kl": 0.0, "agree": 0, "union": 0.0, "windows": 0,
                      "uncovered": 0, "token_layers": 0} for c in cells}

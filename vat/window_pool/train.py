@@ -26,11 +26,18 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vat.checkpointing import STATE_FILE, resolve_resume, rng_state, set_rng_state, truncate_metrics, write_checkpoint
 from vat.config import to_yaml
-from vat.data import BucketedBatches, collate
 from vat.errors import VatError
 from vat.target.budget import window_groups
+from vat.train.checkpointing import (
+    STATE_FILE,
+    resolve_resume,
+    rng_state,
+    set_rng_state,
+    truncate_metrics,
+    write_checkpoint,
+)
+from vat.train.data import BucketedBatches, collate
 from vat.window_pool.pools import check_ranges, draw_constraint, pool_mass
 
 SUMMARY_FILE = "window_pool.json"

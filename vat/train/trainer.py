@@ -17,17 +17,50 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
-from vat.checkpointing import STATE_FILE, resolve_resume, rng_state, set_rng_state, truncate_metrics, write_checkpoint
+from vat.affinity import OnlineAffinity
 from vat.config import load_config, to_yaml
-from vat.data import BucketedBatches, collate, load_prepared
 from vat.errors import VatError
+from vat.export.checkpoint import read_draft_config, save_draft
+from vat.export.init_from import source_aux_layer_ids
+from vat.losses import LossSwitches, binary_auc, finalize_metrics, vat_objective
+from vat.paths import TINY_TARGET_NAMES
+from vat.target import BudgetSpec, load_target
+from vat.train.checkpointing import (
+    STATE_FILE,
+    resolve_resume,
+    rng_state,
+    set_rng_state,
+    truncate_metrics,
+    write_checkpoint,
+)
+from vat.train.data import BucketedBatches, collate, load_prepared
+from vat.train.defaults import TINY_DATA_NAMES, ensure_draft_vocab, resolve_train_data
+from vat.train.distributed import (
+    fsdp2_plugin,
+    full_state_dicts,
+    gather_rng_states,
+    gather_rows,
+    load_full_state_dicts,
+    pick_rng_state,
+    world_size_position,
+)
+from vat.train.kinds import drafter_kind
+from vat.train.kinds.base import check_vocab_setting
+from vat.train.lora import apply_lora, merged_draft
+from vat.verify import simulate_verification, target_dist
 
 VH_PREFIX = "verification_head."
 
@@ -69,14 +102,10 @@ class Trainer:
         self.vh_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (VH logits, survival) since the last log
         self.pending_routing: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (rows, topk_ids), per batch
         self.sharded = False
+        self.kind = drafter_kind(cfg.drafter.kind)  # an unknown kind stops here, before anything loads
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
-        from accelerate import Accelerator
-        from accelerate.utils import set_seed
-
-        from vat.target import load_target
-
         cfg = self.cfg
         mixed = cfg.train.mixed_precision
         if mixed == "auto":
@@ -88,8 +117,6 @@ class Trainer:
             **self._parallel_kwargs(),
         )
         if self.sharded:  # accelerate shards only with several accelerator processes
-            from accelerate.utils import DistributedType
-
             self.sharded = self.accelerator.distributed_type == DistributedType.FSDP
             if not self.sharded and self.accelerator.is_main_process:
                 print("[vat] train.fsdp: a single process has nothing to shard; training unsharded")
@@ -117,7 +144,6 @@ class Trainer:
         self.sharded = bool(self.cfg.train.fsdp)
         if not self.sharded:
             return {}
-        from vat.distributed import fsdp2_plugin
 
         return {"fsdp_plugin": fsdp2_plugin(torch.cuda.is_available())}
 
@@ -127,9 +153,8 @@ class Trainer:
         lora = self.cfg.train.lora
         if lora is None:
             return
-        from vat.lora import apply_lora
 
-        if self.cfg.drafter.kind != "eagle3":
+        if not self.kind.supports_lora:
             raise VatError(f"train.lora supports EAGLE-3 drafts, not drafter.kind `{self.cfg.drafter.kind}`")
         self.lora_targets = apply_lora(self.drafter, lora)
         if self.is_main:
@@ -144,15 +169,10 @@ class Trainer:
         if self.cfg.target.aux_layer_ids is not None:
             return list(self.cfg.target.aux_layer_ids)
         if self.cfg.train.init_from:
-            from vat.export.init_from import source_aux_layer_ids
-
             return source_aux_layer_ids(self.cfg.train.init_from)
         return None
 
     def _setup_data(self) -> None:
-        from vat.defaults import TINY_DATA_NAMES, ensure_draft_vocab, resolve_train_data
-        from vat.paths import TINY_TARGET_NAMES
-
         cfg = self.cfg
         data_path = cfg.data.train
         if data_path in TINY_DATA_NAMES:  # the embedded target's data, built once by rank 0, then read by all
@@ -172,10 +192,9 @@ class Trainer:
         )
         self.batches_per_epoch = len(self.batches)
         vocab_path = cfg.data.vocab
-        if cfg.drafter.kind == "dflash":  # DFlash predicts over the target's whole vocabulary (its LM head)
-            if vocab_path is not None:
-                raise VatError(f"config key `data.vocab` is set ({vocab_path}) but a DFlash draft predicts over the "
-                               "target's full vocabulary through its LM head; unset data.vocab")
+        check_vocab_setting(self.kind, vocab_path)
+        if self.kind.full_vocab:  # predicts over the target's whole vocabulary (its LM head)
+            pass
         elif cfg.train.init_from:  # the imported draft brings its own vocabulary
             vocab_path = cfg.train.init_from
         elif vocab_path is None:
@@ -190,10 +209,11 @@ class Trainer:
 
     def _setup_drafter(self) -> None:
         """A new draft from the recipe, or an imported one (``train.init_from``), with its vocabulary lookups."""
-        drafter = self._import_drafter() if self.cfg.train.init_from else self._new_drafter()
+        cfg = self.cfg
+        drafter = self._import_drafter() if cfg.train.init_from else self.kind.new(cfg, self.target, self.vocab_path)
         self.draft_config = drafter.config
         self.drafter = drafter.to(self.device)
-        if self.cfg.drafter.kind == "dflash":  # the target's vocabulary: no draft-vocab map
+        if self.kind.full_vocab:  # the target's vocabulary: no draft-vocab map
             self.draft_to_target = None
             self.target_to_draft = torch.arange(self.target.vocab_size, device=self.device)
             return
@@ -205,109 +225,16 @@ class Trainer:
         self.target_to_draft = self.target_to_draft.to(self.device)
 
     def _import_drafter(self):
-        """``train.init_from``: the source's architecture and weights, the recipe's TTT unroll and verification head."""
-        from vat.export.init_from import init_draft_from
-
-        cfg, target = self.cfg, self.target
-        if cfg.drafter.kind == "dflash":
-            from vat.export.init_from import init_dflash_from
-
-            drafter = init_dflash_from(
-                cfg.train.init_from, target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
-                num_target_layers=target.num_layers, target_layer_ids=list(target.aux_layer_ids),
-                embed_weight=target.embed_tokens().weight.detach(), lm_head_weight=target.lm_head().weight.detach(),
-                verification_head=bool(cfg.drafter.verification_head), block_size=cfg.drafter.block_size,
-                target_path=target.path or str(cfg.target.path),
-            )
-            if self.is_main:
-                c = drafter.config
-                print(f"[vat] init_from {cfg.train.init_from}: DFlash, {c.num_hidden_layers} layers, target layers "
-                      f"{c.target_layer_ids}, mask token {c.mask_token_id} (drafter.* architecture keys unused)")
-            return drafter
-        drafter = init_draft_from(
-            cfg.train.init_from, target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
-            num_target_layers=target.num_layers, aux_layer_ids=list(target.aux_layer_ids),
-            embed_weight=target.embed_tokens().weight.detach(), verification_head=bool(cfg.drafter.verification_head),
-            vh_input=cfg.drafter.vh_input, ttt_steps=cfg.drafter.ttt_steps, target_path=target.path or str(cfg.target.path),
-        )
+        """``train.init_from``: the source's architecture and weights, the recipe's unroll / block and VH."""
+        drafter, what = self.kind.import_from(self.cfg, self.target)
         if self.is_main:
-            c = drafter.config
-            print(f"[vat] init_from {cfg.train.init_from}: hidden {c.hidden_size}, draft vocab {c.draft_vocab_size}, "
-                  f"norm_before_residual={c.norm_before_residual} norm_before_fc={c.norm_before_fc} fc_norm={c.fc_norm} "
-                  f"norm_output={c.norm_output} sliding_window={c.sliding_window} (drafter.* architecture keys unused)")
+            print(f"[vat] init_from {self.cfg.train.init_from}: {what} (drafter.* architecture keys unused)")
         return drafter
-
-    def _new_drafter(self):
-        """A freshly initialised draft sized from the target and the recipe's ``drafter.*`` keys."""
-        from vat.data_prep.vocab import load_draft_vocab
-        from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter, check_draft_matches_target
-
-        cfg, target = self.cfg, self.target
-        if cfg.drafter.kind == "dflash":
-            return self._new_dflash()
-        d2t, t2d = load_draft_vocab(self.vocab_path)
-        overrides: dict[str, Any] = dict(
-            draft_vocab_size=int(d2t.shape[0]), aux_layer_ids=list(target.aux_layer_ids),
-            ttt_steps=cfg.drafter.ttt_steps, norm_before_residual=cfg.drafter.norm_before_residual,
-            norm_before_fc=cfg.drafter.norm_before_fc, fc_norm=cfg.drafter.fc_norm,
-            verification_head=bool(cfg.drafter.verification_head), vh_input=cfg.drafter.vh_input, target_path=target.path or str(cfg.target.path),
-            vocab_size=target.vocab_size,
-        )
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rope_theta"):
-            if cfg.drafter[key] is not None:
-                overrides[key] = cfg.drafter[key]
-        if cfg.drafter.hidden_size is not None and cfg.drafter.num_attention_heads is not None:
-            overrides["head_dim"] = cfg.drafter.hidden_size // cfg.drafter.num_attention_heads
-        draft_config = Eagle3Config.for_target(target.config, **overrides)
-        check_draft_matches_target(draft_config, target.hidden_size, target.vocab_size, target.num_layers)
-        torch.manual_seed(self.cfg.seed)
-        drafter = Eagle3Drafter(draft_config, embed_weight=target.embed_tokens().weight.detach())
-        drafter.set_vocab_mapping(d2t, t2d)
-        return drafter
-
-    def _new_dflash(self):
-        """A freshly initialised DFlash draft: the target's dims, ``drafter.num_layers`` layers, context from
-        ``target.aux_layer_ids`` (default: spread from layer 1 to L-3), the target tokenizer's MASK token."""
-        from vat.drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_matches_target
-        from vat.drafters.dflash_config import default_target_layer_ids, resolve_mask_token_id
-
-        cfg, target = self.cfg, self.target
-        if cfg.target.aux_layer_ids is None:  # DFlash's default context layers, not EAGLE-3's three
-            target.aux_layer_ids = default_target_layer_ids(target.num_layers, cfg.drafter.num_layers)
-        mask = cfg.drafter.mask_token_id
-        if mask is None and target.path:
-            from transformers import AutoTokenizer
-
-            mask = resolve_mask_token_id(AutoTokenizer.from_pretrained(target.path), target.vocab_size)
-        if mask is None:
-            raise VatError("the target has no tokenizer to take the DFlash MASK token from: set drafter.mask_token_id")
-        overrides: dict[str, Any] = dict(
-            num_hidden_layers=cfg.drafter.num_layers, target_layer_ids=list(target.aux_layer_ids),
-            block_size=cfg.drafter.block_size, mask_token_id=int(mask),
-            verification_head=bool(cfg.drafter.verification_head), target_path=target.path or str(cfg.target.path),
-            vocab_size=target.vocab_size,
-        )
-        if cfg.drafter.hidden_size not in (None, target.hidden_size):
-            raise VatError(f"drafter.hidden_size {cfg.drafter.hidden_size}: a DFlash draft reads the target's "
-                           f"embedding and LM head, so its hidden size is the target's ({target.hidden_size})")
-        for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "rope_theta"):
-            if cfg.drafter[key] is not None:
-                overrides[key] = cfg.drafter[key]
-        if cfg.drafter.num_attention_heads is not None:
-            overrides["head_dim"] = target.hidden_size // cfg.drafter.num_attention_heads
-        draft_config = DFlashConfig.for_target(target.config, **overrides)
-        check_dflash_matches_target(draft_config, target.hidden_size, target.vocab_size, target.num_layers)
-        torch.manual_seed(self.cfg.seed)
-        return DFlashDrafter(draft_config, target.embed_tokens().weight.detach(), target.lm_head().weight.detach())
 
     def _setup_losses(self) -> None:
-        from vat.affinity import OnlineAffinity
-        from vat.losses import LossSwitches
-
         cfg, target = self.cfg, self.target
-        self.switches = LossSwitches.from_config(cfg.loss, kind=cfg.drafter.kind, block_size=cfg.drafter.block_size)
-        # draft positions per anchor: TTT steps, or the block's drafted slots
-        self.K = int(self.draft_config.num_slots if cfg.drafter.kind == "dflash" else cfg.drafter.ttt_steps)
+        self.switches = LossSwitches.from_config(cfg.loss, kind=self.kind.schedule, block_size=cfg.drafter.block_size)
+        self.K = self.kind.num_slots(cfg, self.draft_config)  # draft positions per anchor: TTT steps, block slots
         self.affinity = None
         # the union is simulated (and logged) for every method so runs compare; it is penalised only when λ > 0
         if cfg.loss.affinity is not None:
@@ -326,17 +253,11 @@ class Trainer:
         self.affinity = self.affinity.to(self.device)
         self.budget = None
         if cfg.budget.B is not None:
-            from omegaconf import OmegaConf
-
-            from vat.target import BudgetSpec
-
             b = OmegaConf.to_container(cfg.budget, resolve=True)["B"]  # int, list or {layer: B}
             self.budget_window = int(cfg.budget.window or self.K + 1)
             self.budget = BudgetSpec(B=b, policy=cfg.budget.policy, window=self.budget_window, scope=cfg.budget.scope)
 
     def _setup_optimizer(self) -> None:
-        from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
-
         cfg = self.cfg
         # the verification head is its own parameter group with its own clip: its gradient must not set the clip
         # factor of the draft body (docs/vat_losses.md)
@@ -378,29 +299,14 @@ class Trainer:
         return replace(self.budget, offset=rng.randrange(self.budget_window))
 
     def _draft_slots(self, batch: dict[str, torch.Tensor], tout, dist):
-        """The draft's training forward on a batch, in the (B, anchors, K) slot layout of :mod:`vat.slots`."""
-        from vat.slots import block_slots, ttt_slots
-
-        input_ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        # on data that is not the target's own, the simulated chain leaves real verification at the first data token
-        # that is not the target's argmax: later slots are censored, not rejected (docs/vat_losses.md)
-        onpolicy, E = bool(self.cfg.loss.onpolicy_chain), self.target.num_experts
-        if self.cfg.drafter.kind == "dflash":
-            from vat.drafters.dflash import sample_block_anchors
-
-            # seeded by the global data position (not the global RNG, not the rank): a resumed run, and a run at
-            # another world size, draws the same anchors
-            gen = torch.Generator().manual_seed(
-                self.cfg.seed * 1_000_003 + 7919 * self.position.epoch + self._global_batch_index() + 1)
-            anchors = sample_block_anchors(loss_mask, attention, self.draft_config.block_size,
-                                           self.cfg.drafter.num_anchors, gen)  # (B, N)
-            with self.accelerator.autocast():
-                out = self.drafter(tout.aux_hidden, input_ids, anchors, attention, vh_detach=self.cfg.loss.vh_detach)
-            return block_slots(out, dist, batch, tout.topk_ids, E, anchors, onpolicy)
-        with self.accelerator.autocast():
-            out = self.drafter(tout.aux_hidden, input_ids, attention, ttt_steps=self.K,
-                               vh_detach=self.cfg.loss.vh_detach)
-        return ttt_slots(out, dist, batch, tout.topk_ids, E, self.K, onpolicy)
+        """The draft's training forward on a batch, in the (B, anchors, K) slot layout of :mod:`vat.slots`. On data
+        that is not the target's own, the simulated chain leaves real verification at the first data token that is
+        not the target's argmax (``loss.onpolicy_chain``): later slots are censored, not rejected
+        (docs/vat_losses.md). Sampled anchors are seeded by the global data position (not the global RNG, not the
+        rank): a resumed run, and a run at another world size, draws the same."""
+        anchor_seed = self.cfg.seed * 1_000_003 + 7919 * self.position.epoch + self._global_batch_index() + 1
+        return self.kind.training_slots(self.drafter, self.cfg, batch, tout, dist, self.target.num_experts, self.K,
+                                        anchor_seed, self.accelerator.autocast)
 
     def _target_forward(self, batch: dict[str, torch.Tensor], budget):
         """The step's one target forward. Under a budget only the response (loss-masked) positions are budgeted:
@@ -432,9 +338,6 @@ class Trainer:
         return (self.position.batch_index - 1) * self.accelerator.num_processes + self.accelerator.process_index
 
     def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from vat.losses import vat_objective
-        from vat.verify import simulate_verification, target_dist
-
         input_ids, attention = batch["input_ids"], batch["attention_mask"]
         tout = self._target_forward(batch, budget)
         dist = target_dist(tout.logits, self.draft_to_target)  # fields (B, T, ·)
@@ -491,8 +394,6 @@ class Trainer:
     def _fold_affinity(self) -> None:
         """Fold the step's routing (every micro-batch of every rank, in rank order) into the online affinity table
         once: each rank then holds the table one process builds from the same global batch (README: multi-GPU)."""
-        from vat.distributed import gather_rows
-
         pending, self.pending_routing = self.pending_routing, []
         if bool(self.affinity.frozen) or not pending:
             return
@@ -617,8 +518,6 @@ class Trainer:
 
     def _reduce(self, sums: dict[str, torch.Tensor], loss: torch.Tensor) -> dict[str, Any]:
         """Global sums across processes -> one metrics record (ratios of sums, never means of means)."""
-        from vat.losses import finalize_metrics
-
         reduced = {
             key: self.accelerator.reduce(torch.as_tensor(value, device=self.device).float(), reduction="sum")
             for key, value in sorted(sums.items())
@@ -647,8 +546,6 @@ class Trainer:
 
     def _vh_auc(self) -> float:
         """Exact ROC AUC of the verification head over every rank's positions since the last log."""
-        from vat.losses import binary_auc
-
         scores = torch.cat([p[0] for p in self.vh_pairs]).to(self.device)
         labels = torch.cat([p[1] for p in self.vh_pairs]).to(self.device)
         self.vh_pairs.clear()
@@ -667,7 +564,6 @@ class Trainer:
         if mode not in ("offline", "online"):
             raise VatError(f"logging.wandb.mode must be disabled, offline or online, got `{mode}`")
         import wandb
-        from omegaconf import OmegaConf
 
         self.tracker = wandb.init(
             project=self.cfg.logging.wandb.project, name=self.cfg.logging.wandb.name, mode=mode,
@@ -677,21 +573,13 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def _full_state(self) -> tuple[dict, dict]:
         """(model, optimizer) state to save; a collective under FSDP2 (call on every rank; rank 0 gets the tensors)."""
-        from vat.distributed import full_state_dicts
-
         model = self.accelerator.unwrap_model(self.drafter) if not self.sharded else self.drafter
         return full_state_dicts(model, self.optimizer, self.sharded)
 
     def _write_draft(self, directory: str, model_state: dict | None = None) -> None:
         """The draft in its release layout: adapters merged (``train.lora``), FSDP2 shards gathered (``model_state``)."""
-        from safetensors.torch import save_file
-
-        from vat.export.checkpoint import save_draft
-
         model = self.accelerator.unwrap_model(self.drafter)
         if self.lora_targets or self.sharded:
-            from vat.lora import merged_draft
-
             model = merged_draft(model, model_state)
         save_draft(model, self.draft_config, directory)
         table = self.affinity.table().detach().float().cpu().contiguous()
@@ -701,8 +589,6 @@ class Trainer:
 
     def save_checkpoint(self) -> str | None:
         """Rank 0 writes ``checkpoints/step_N`` (every rank takes part: RNG states, FSDP2 gathers)."""
-        from vat.distributed import gather_rng_states
-
         self.accelerator.wait_for_everyone()
         rng = gather_rng_states(rng_state())  # one per rank
         model_state, optim_state = self._full_state()
@@ -735,22 +621,7 @@ class Trainer:
 
 
     def load_state(self, directory: str) -> None:
-        from vat.drafters.eagle3 import Eagle3Config, check_draft_matches_target
-
-        if self.cfg.drafter.kind == "dflash":
-            from vat.drafters.dflash import check_dflash_matches_target
-            from vat.export.checkpoint import read_draft_config
-
-            check_dflash_matches_target(read_draft_config(directory), self.target.hidden_size, self.target.vocab_size,
-                                        self.target.num_layers)
-        else:
-            with open(os.path.join(directory, "config.json")) as f:
-                saved = json.load(f)
-            fields = {k: v for k, v in saved.items() if k in Eagle3Config.__dataclass_fields__}
-            check_draft_matches_target(
-                Eagle3Config(**fields), self.target.hidden_size, self.target.vocab_size, self.target.num_layers
-            )
-        from vat.distributed import load_full_state_dicts, pick_rng_state, world_size_position
+        self.kind.check(read_draft_config(directory), self.target)
 
         state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
         saved_lora, saved_sharded = state.get("lora_targets", []), bool(state.get("sharded", False))
@@ -784,7 +655,6 @@ class Trainer:
             return
         final = os.path.join(self.cfg.output_dir, "final")
         tmp = final + ".tmp"
-        import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)

@@ -232,8 +232,8 @@ def ensure_draft_vocab(data_dir: str, vocab_size: int, draft_vocab_size: int, ca
     Returns:
         Path of a safetensors file with ``d2t`` and ``t2d``.
     """
-    from vat.data import load_prepared
     from vat.data_prep.vocab import build_draft_vocab, count_tokens, save_draft_vocab
+    from vat.train.data import load_prepared
 
     size = min(draft_vocab_size, vocab_size)
     path = os.path.join(cache_dir, f"draft_vocab_{size}.safetensors")
