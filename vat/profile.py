@@ -17,10 +17,17 @@ import time
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from vat.errors import VatError
+from vat.eval.benchmarks import load_benchmark
+from vat.eval.cost import CostModel, get_accelerator, target_shape
+from vat.eval.prompts import render_chat
 from vat.eval.quality import kl_divergence
+from vat.eval.target_quality import write_quality
+from vat.eval.verify_cost import build_verify_cost, own_texts
 from vat.target import BudgetSpec, bytes_per_window, contiguous_windows, load_target, window_union
+from vat.window_pool.evaluate import main as grid_main
 
 
 def parse_budget(text: str | None) -> int | list[int] | None:
@@ -123,14 +130,7 @@ def _sync(device: torch.device) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `vat profile` (setup -> run -> write)."""
-    from transformers import AutoTokenizer
-
-    from vat.eval.benchmarks import load_benchmark
-    from vat.eval.prompts import render_chat
-
     if getattr(args, "perplexity_grid", False):  # Window Pool's held-out perplexity grid (vat/window_pool)
-        from vat.window_pool.evaluate import main as grid_main
-
         return grid_main(args)
     if getattr(args, "quality", False):
         return quality_main(args)
@@ -170,8 +170,6 @@ def main(args: argparse.Namespace) -> int:
 
 def quality_main(args: argparse.Namespace) -> int:
     """`vat profile --quality`: the target-quality table (:mod:`vat.eval.target_quality`) -> DIR/quality.{json,md}."""
-    from vat.eval.target_quality import write_quality
-
     text = write_quality(
         args.target, args.output, benchmarks=[args.benchmark] if args.benchmark else ("spec_bench", "humaneval"),
         limit=args.limit or 40, max_new_tokens=getattr(args, "new_tokens", None) or 96, window=args.window,
@@ -187,9 +185,6 @@ def verify_cost_profile(target, prompts_ids: list[list[int]], widths: str, new_t
     """EVICT's verification-cost table (:mod:`vat.eval.verify_cost`): the mean expert union of w consecutive positions
     of the target's own greedy answers to the prompts, the modeled verification time on ``accelerator`` and the
     measured wall time of a w-token forward on this device, per width w in ``widths`` (``"1,2,4,8"``)."""
-    from vat.eval.cost import CostModel, get_accelerator, target_shape
-    from vat.eval.verify_cost import build_verify_cost, own_texts
-
     try:
         values = [int(w) for w in str(widths).split(",") if w.strip()]
     except ValueError:

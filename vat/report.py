@@ -11,6 +11,13 @@ import os
 import shutil
 from typing import Any
 
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+
+from vat.bench.stats import paired_ratio
+from vat.eval.report import example_block
+
 
 def _metrics(final_dir: str) -> list[dict]:
     path = os.path.join(os.path.dirname(final_dir), "metrics.jsonl")
@@ -62,10 +69,7 @@ def training_table(finals: dict[str, str]) -> tuple[list[str], dict[str, dict]]:
 
 def plot_training(finals: dict[str, str], path: str) -> str | None:
     """τ_sim per training step for every draft (smoothed over 10 logged steps)."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     drawn = False
@@ -118,10 +122,6 @@ def ratio_pairs(results: dict) -> list[tuple[str, str]]:
 def tau_ratio(results: dict, method: str, reference: str, budget: str, bench: str, samples: int = 2000) -> dict | None:
     """τ_method / τ_reference on one benchmark and budget with a 95 % paired-bootstrap interval over prompts
     (one seed: the prompts are the only resampled unit; ``vat bench`` adds seeds)."""
-    import numpy as np
-
-    from vat.bench.stats import paired_ratio
-
     per = results.get("per_prompt", {})
     rows = [per.get(label, {}).get(budget, {}).get(bench) for label in (method, reference)]
     if reference in per and budget not in per[reference] and "none" in per[reference]:
@@ -221,8 +221,6 @@ def evaluation_tables(results: dict) -> list[str]:
 def example_lines(results: dict) -> list[str]:
     """One decoded answer per benchmark (the eval's first prompt), so the τ tables are read beside what the drafts
     were predicting."""
-    from vat.eval.report import example_block
-
     examples = results.get("examples", {})
     if not examples:
         return []

@@ -28,7 +28,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from vat.config import VatConfig, load_config
 from vat.errors import VatError
+from vat.eval.run import run_eval
+from vat.paths import resolve_recipe as packaged_recipe
+from vat.target.model import resolve_target_path
+from vat.train.checkpointing import list_checkpoints
+from vat.train.trainer import main as train_main
 
 CELL_FILE = "cell.json"
 SETTINGS_FILE = "bench_settings.json"
@@ -58,7 +64,6 @@ class Cell:
         """The target directory this cell trains and evaluates on: its method's own, else the bench's."""
         if self.target is None:
             return bench_target
-        from vat.target.model import resolve_target_path
 
         return resolve_target_path(self.target)
 
@@ -81,14 +86,7 @@ class Cell:
 
 def resolve_recipe(name: str) -> str:
     """A recipe path as given when it exists, else the packaged recipe it names (``tiny/eagle3.yaml``)."""
-    try:
-        from vat.paths import resolve_recipe as packaged
-    except ImportError:  # an older vat without packaged recipes: the repository's recipes/ beside the sources
-        def packaged(path: str) -> str:
-            repo = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes")
-            rel = path[len("recipes/"):] if path.startswith("recipes/") else path
-            return path if os.path.exists(path) else os.path.join(repo, rel)
-    path = packaged(name)
+    path = packaged_recipe(name)
     if not os.path.isfile(path):
         raise VatError(f"recipe not found: {name} (looked at it as given and among vat's recipes)")
     return path
@@ -101,8 +99,6 @@ def train_config(bench: Any, label: str, seed: int, directory: str) -> Any:
     the seed, the cell's output directory, ``resume=auto`` (a killed cell continues), one metrics line per step
     (training tokens are summed from them) and, with a curve, a checkpoint at every curve step, all kept.
     """
-    from vat.config import load_config
-
     method = bench.methods[label]
     forced = [f"seed={seed}", f"output_dir={os.path.join(directory, 'train')}", "resume=auto", "train.log_every=1"]
     bench_dir = os.path.dirname(os.path.dirname(os.path.dirname(directory)))  # directory = bench_dir/cells/label/seedK
@@ -223,8 +219,6 @@ def config_identity(cfg: Any) -> str | None:
 def method_defaults(method: str) -> dict:
     """vat's default training config for ``method`` as a dict, its preset applied (what a recipe setting nothing
     gets)."""
-    from vat.config import VatConfig, load_config
-
     try:
         cfg = load_config(None, [f"method={method}"])
     except Exception:  # a method this vat no longer knows: compare against the plain defaults
@@ -414,9 +408,6 @@ def train_stage(cfg: Any) -> dict:
         ``final`` (the draft dir), ``seconds`` (training wall time, steps run before a kill included), ``steps``,
         ``tokens`` (training tokens), ``final_tau_sim``, ``resumed_from_step``, ``reused``.
     """
-    from vat.train.checkpointing import list_checkpoints
-    from vat.train.trainer import main as train_main
-
     run_dir = cfg.output_dir
     final = os.path.join(run_dir, "final")
     wanted = config_identity(cfg)
@@ -463,8 +454,6 @@ def tokens_until(records: list[dict], step: int) -> float:
 
 def prune_checkpoints(run_dir: str, keep_steps: list[int]) -> None:
     """Drop the checkpoints no curve point reads, once the draft is final (they exist only for resuming)."""
-    from vat.train.checkpointing import list_checkpoints
-
     if not os.path.exists(os.path.join(run_dir, "final")):
         return
     for step, path in list_checkpoints(run_dir):
@@ -489,8 +478,6 @@ def eval_stage(directory: str, drafts: list, target: str, settings: dict, identi
     Returns:
         The eval.json dict, with ``bench_seconds`` (0 when reused) and ``bench_reused``.
     """
-    from vat.eval.run import run_eval
-
     recorded = {"target": target, **settings, **identity}
     path = os.path.join(directory, "eval.json")
     result = _read_json(path)

@@ -9,6 +9,7 @@ for a training recipe. It lives in the bench package because checking a bench's 
 from __future__ import annotations
 
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,7 +18,11 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 from vat.config import _all_keys, _check_keys, closest_hint, load_yaml_mapping
 from vat.errors import VatError
+from vat.eval.cost import get_accelerator
 from vat.eval.free_drafts import DEFAULT_GRID, GRID_NAME, expand_baselines, parse_free_draft
+from vat.eval.run import TREE_POLICIES
+from vat.eval.tree import TreeSpec
+from vat.target.budget import POLICIES
 
 BENCH_BASELINES = ("ngram", "none")  # the default baselines: prompt lookup (vLLM's rule) and autoregressive
 
@@ -107,8 +112,6 @@ def _bench_schema(labels: list[str]) -> DictConfig:
 
 def _bench_expected_type(key: str) -> str:
     """The annotated type of a dotted bench key (a method label steps into :class:`BenchMethodConfig`)."""
-    import typing
-
     cls: Any = BenchConfig
     hint: Any = None
     parts = key.split(".")
@@ -236,11 +239,6 @@ def _check_bench(cfg: Any) -> None:
 
 def _check_bench_eval(cfg: Any) -> None:
     """The eval variants (bench ``eval.*`` and each method's ``eval`` overrides) name things `vat eval` knows."""
-    from vat.eval.cost import get_accelerator
-    from vat.eval.run import TREE_POLICIES
-    from vat.eval.tree import TreeSpec
-    from vat.target.budget import POLICIES
-
     sections = [("eval", cfg.eval)] + [(f"methods.{label}.eval", m.eval) for label, m in cfg.methods.items()]
     for where, ev in sections:
         if ev.policy is not None and ev.policy not in POLICIES:

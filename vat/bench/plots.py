@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import os
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 from vat.bench.summary import GOAL_BYTES, GOAL_TAU, NO_BUDGET
 
 PNG_DPI = 100  # the bench PNGs are records kept in the repository: legible, and optimized to stay small
 
 
 def _pyplot():
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     return plt
 

@@ -8,10 +8,13 @@ every cell, bench.json, bench.md and the PNGs are rebuilt from the cells finishe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from vat.bench.cells import (
     Cell,
@@ -24,7 +27,14 @@ from vat.bench.cells import (
     resolve_recipe,
     run_cell,
 )
+from vat.bench.config import load_bench_config
+from vat.bench.plots import write_plots
 from vat.bench.record import write_record
+from vat.bench.summary import build_summary, write_summary
+from vat.errors import VatError
+from vat.export.checkpoint import read_draft_config
+from vat.paths import TINY_TARGET_NAMES, tiny_target_dir
+from vat.target.model import resolve_target_path as resolve
 
 
 class Eta:
@@ -78,8 +88,6 @@ def _cell_line(cell: Cell, record: dict) -> str:
 
 def _settings(bench: Any, cells: list[Cell]) -> dict:
     """The bench config as recorded in bench.json, with each method's recipe path and resolved training essentials."""
-    from omegaconf import OmegaConf
-
     settings = OmegaConf.to_container(bench, resolve=True)
     for cell in cells:
         if cell.draft is not None:
@@ -96,9 +104,6 @@ def _settings(bench: Any, cells: list[Cell]) -> dict:
 def write_outputs(bench: Any, cells: list[Cell], fingerprints: list[str], target: str, out: str,
                   as_recorded: bool = False) -> list[str]:
     """Rebuild bench.json, bench.md and the PNGs from every finished cell; returns the paths written."""
-    from vat.bench.plots import write_plots
-    from vat.bench.summary import build_summary, write_summary
-
     summary = build_summary(bench, cells, fingerprints, target, _settings(bench, cells), as_recorded)
     return write_summary(summary, out) + write_plots(summary, out)
 
@@ -112,10 +117,6 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
         render_only: run nothing; rebuild bench.json, bench.md and the PNGs from the cells already finished (a bench
             record re-read under the current statistics).
     """
-    import json
-
-    from omegaconf import OmegaConf
-
     progress = sys.stderr.isatty() if progress is None else progress
     cells_dir = os.path.abspath(bench.output_dir)
     out = report_dir(cells_dir, bench.name)
@@ -167,9 +168,6 @@ def _bench_target(cells: list[Cell], build: bool = True) -> str:
     """The bench's target (the baselines' and every method's without its own ``target``): the one the methods train
     for, else the one the first draft records, else the first method's own target. ``build=False`` names an embedded
     tiny target's directory without building it."""
-    from vat.paths import TINY_TARGET_NAMES, tiny_target_dir
-    from vat.target.model import resolve_target_path as resolve
-
     def resolve_target_path(path: str) -> str:
         return resolve(path) if build or path not in TINY_TARGET_NAMES else tiny_target_dir(TINY_TARGET_NAMES[path])
 
@@ -184,9 +182,6 @@ def _bench_target(cells: list[Cell], build: bool = True) -> str:
 
 def _draft_target(cells: list[Cell]) -> str:
     """The target a bench of draft cells only evaluates on: the one the first draft records (``target_path``)."""
-    from vat.errors import VatError
-    from vat.export.checkpoint import read_draft_config
-
     for cell in cells:
         if cell.draft is None:
             continue
@@ -201,8 +196,6 @@ def _draft_target(cells: list[Cell]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `vat bench`."""
-    from vat.bench.config import load_bench_config
-
     bench = load_bench_config(resolve_config(args.config), args.overrides)
     if getattr(args, "record", None):
         if args.render:

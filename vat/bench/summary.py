@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from vat.bench.cells import Cell, eval_path, finished, recorded
+from vat.bench.cells import Cell, eval_path, finished, method_eval, recorded
 from vat.bench.record import per_prompt
 from vat.bench.stats import (
     bootstrap_tau,
@@ -381,7 +381,6 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
             records.setdefault(cell.method, []).append(record)
             done_cells.append(cell)
     done = len(done_cells)
-    from vat.bench.cells import method_eval
 
     labels = [*bench.methods, *bench.baselines]
     budgets = list(dict.fromkeys(_budget_label(b) for label in [None, *bench.methods]

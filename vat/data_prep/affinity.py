@@ -20,8 +20,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
+from vat.affinity import smoothed_affinity
+from vat.data_prep.vocab import load_draft_vocab, load_prepared_dataset, target_to_draft_ids
 from vat.errors import VatError
+from vat.target import load_target
 
 DEFAULT_ALPHA = 4.0  # pseudo-occurrences of the marginal in every row (the trainer's online default too)
 INT32_MAX = 2**31 - 1  # a cell's count is at most the tokens counted: int32 is exact below this many
@@ -64,7 +69,6 @@ class RoutingCounts:
         """(V_rows, L', E) smoothed affinity table."""
         if alpha <= 0 and bool((self.token_counts == 0).any()):
             raise VatError("alpha must be > 0 when some rows were never seen (their affinity would be 0/0)")
-        from vat.affinity import smoothed_affinity
 
         marg = self.marginal(top_k).to(self.counts.device)  # (L', E) fp64
         table = torch.empty(self.counts.shape, dtype=torch.float32, device=self.counts.device)
@@ -180,8 +184,6 @@ def affinity_from_routing(
 
 def save_affinity(path: str, stats: RoutingCounts, layers: list[int], top_k: int, alpha: float, metadata: dict) -> None:
     """Write the table (see the module docstring for keys and metadata)."""
-    from safetensors.torch import save_file
-
     num_experts = stats.counts.shape[-1]
     tensors = {
         "affinity": stats.affinity(top_k, alpha).float().contiguous(),
@@ -216,8 +218,6 @@ def collect_routing(
         max_length: truncate rows to this many tokens.
         progress: tqdm bar.
     """
-    from tqdm.auto import tqdm
-
     lengths = dataset["length"] if "length" in dataset.column_names else [len(x) for x in dataset["input_ids"]]
     order = sorted(range(len(dataset)), key=lambda i: -lengths[i])
     device = target.device
@@ -253,9 +253,6 @@ def _layer_positions(moe_layer_ids: list[int], requested: list[int] | None) -> l
 
 def main(args) -> int:
     """Entry point of ``vat prep affinity``."""
-    from vat.data_prep.vocab import load_draft_vocab, load_prepared_dataset, target_to_draft_ids
-    from vat.target import load_target
-
     t0 = time.time()
     ds = load_prepared_dataset(args.data)
     if args.limit is not None:

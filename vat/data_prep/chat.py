@@ -27,7 +27,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import datasets
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
 from vat.data_prep.readers import ReadStats, iter_records
+from vat.data_prep.templates import Encoded, assistant_char_spans, encode_conversations, mask_method
 from vat.errors import VatError, require_file
 
 logger = logging.getLogger(__name__)
@@ -145,8 +150,6 @@ def load_hub_rows(name: str, split: str = "train", **load_kwargs):
     Raises:
         VatError: the dataset cannot be loaded (e.g. offline and not cached).
     """
-    import datasets
-
     try:
         return datasets.load_dataset(name, split=split, **load_kwargs)
     except Exception as err:  # offline, unknown name, bad split: one clear line
@@ -172,8 +175,6 @@ def unsupervise_truncated_ends(tokenizer, conv: list[dict], enc, truncated: set[
     Returns:
         A new ``Encoded``, or ``"template_error"`` if the rendering cannot be matched to ``enc``'s tokens.
     """
-    from vat.data_prep.templates import Encoded, assistant_char_spans
-
     try:
         text, spans = assistant_char_spans(tokenizer, conv)
     except Exception:
@@ -196,8 +197,6 @@ def unsupervise_truncated_ends(tokenizer, conv: list[dict], enc, truncated: set[
 
 def _tokenize_batch(batch: dict, tokenizer, method: str, max_length: int) -> dict:
     """``datasets.map`` function: messages -> input_ids, loss_mask, length, skip (reason or "")."""
-    from vat.data_prep.templates import Encoded, encode_conversations
-
     convs = [[{"role": t["role"], "content": t["content"]} for t in m] for m in batch["messages"]]
     encoded = encode_conversations(tokenizer, convs, method)
     for i, m in enumerate(batch["messages"]):
@@ -224,8 +223,6 @@ def _tokenize_batch(batch: dict, tokenizer, method: str, max_length: int) -> dic
 
 def load_tokenizer(path: str):
     """Load a fast tokenizer with a chat template; a :class:`VatError` if it is missing or unusable."""
-    from transformers import AutoTokenizer
-
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as err:
@@ -282,10 +279,6 @@ def prepare_chat(
     Returns:
         The stats dict written to ``stats.json``.
     """
-    import datasets
-
-    from vat.data_prep.templates import mask_method
-
     t0 = time.time()
     tok_path = tokenizer if isinstance(tokenizer, str) else getattr(tokenizer, "name_or_path", None)
     if isinstance(tokenizer, str):
@@ -352,8 +345,6 @@ def _usable_rows(
 ) -> Iterator[dict]:
     """``{"id", "messages"}`` of every row that normalises (:func:`normalize_record`), the others counted by reason in
     ``counts``; stops after ``limit`` rows read (the reader's malformed values included)."""
-    from tqdm.auto import tqdm
-
     bar = tqdm(desc="read", unit=" rows", disable=not progress)
     for index, record in enumerate(records):
         bar.update(1)
@@ -378,8 +369,6 @@ def _usable_rows(
 def _conversations_dataset(rows, work: str, input: str, counts: _RowCounts):
     """``Dataset.from_generator(rows)`` (columns ``id``, ``messages``) cached in ``work``; a :class:`VatError` when no
     row is usable."""
-    import datasets
-
     features = datasets.Features(
         {
             "id": datasets.Value("string"),
@@ -404,8 +393,6 @@ def _conversations_dataset(rows, work: str, input: str, counts: _RowCounts):
 
 def _tokenize_dataset(raw, tokenizer, method: str, max_length: int, num_proc: int):
     """``raw``'s conversations as ``id``, ``input_ids``, ``loss_mask``, ``length`` and ``skip`` (reason or "")."""
-    import datasets
-
     if len(raw) == 0:
         return raw.remove_columns(["messages"]).add_column("skip", [])
     return raw.map(

@@ -10,11 +10,15 @@ the Python version alone, which :func:`stdlib_source` records.
 from __future__ import annotations
 
 import ast
+import json
+import math
 import os
 import platform
 import sysconfig
 import textwrap
 from collections.abc import Iterator
+
+from vat.data_prep.readers import iter_records
 
 # the instruction `vat eval` wraps HumanEval prompts in (vat.eval.benchmarks reads it from here)
 CODE_INSTRUCTION = (
@@ -121,11 +125,6 @@ def write_mixed_source(sharegpt: str, output: str, rows: int, code_fraction: flo
     Returns:
         ``{"rows", "code_rows", "sharegpt_rows", **stdlib_source()}``.
     """
-    import json
-    import math
-
-    from vat.data_prep.readers import iter_records
-
     n_code = math.floor(rows * code_fraction)
     code, _, _ = read_code_chats(max_chars_total=1 << 62, heldout=heldout, max_chars=max_chars, max_train=n_code,
                                  root=root)

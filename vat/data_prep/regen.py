@@ -35,11 +35,15 @@ from collections import Counter
 from collections.abc import Iterator
 
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import DynamicLayer
 
 from vat.data_prep.chat import normalize_record
 from vat.data_prep.readers import ReadStats, iter_records
 from vat.errors import VatError, require_file
-from vat.target.cache import cache_kwargs
+from vat.target.cache import cache_kwargs, new_cache
+from vat.target.model import resolve_target_path
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +92,6 @@ def preallocated_cache(config, capacity: int):
     Here a step writes its new keys/values in place and attention reads a view of the filled prefix (the same
     values, so the same numbers). Sliding-window layers keep transformers' own class.
     """
-    from transformers.cache_utils import DynamicLayer
-
-    from vat.target.cache import new_cache
-
     class PreallocatedLayer(DynamicLayer):
         def __init__(self):
             super().__init__()
@@ -351,8 +351,6 @@ class Regenerator:
         A group is padded only to its own longest prompt (at most ``PREFILL_SLACK`` padded tokens per real one):
         prefill is compute-bound, so the padding a left-padded batch of mixed lengths carries is time lost.
         """
-        from vat.target.cache import new_cache
-
         model = self.model
         device = next(model.parameters()).device
         groups, current = [], []
@@ -498,8 +496,6 @@ def regenerate_file(
     Returns:
         Stats, also written to ``OUTPUT.stats.json``.
     """
-    from tqdm.auto import tqdm
-
     if batch_size is not None:
         regenerator.batch_size = batch_size
     pool_size = pool_size or DEFAULT_POOL_BATCHES * regenerator.batch_size
@@ -629,8 +625,6 @@ def cpu_threads(num_threads: int | None):
 
 def load_generator_model(path: str):
     """The target and its tokenizer for generation (bf16 on GPU, fp32 on CPU)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not os.path.exists(path):
         raise VatError(f"target not found: {path}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -649,7 +643,6 @@ def main(args) -> int:
     if args.temperature < 0:
         raise VatError("--temperature must be >= 0")
     torch.manual_seed(0)
-    from vat.target.model import resolve_target_path
 
     model, tokenizer = load_generator_model(resolve_target_path(args.target))
     regen = Regenerator(

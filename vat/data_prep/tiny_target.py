@@ -28,6 +28,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 import torch
+import transformers
+from transformers import OlmoeConfig, OlmoeForCausalLM
 
 from vat.data_prep.chat import normalize_record
 from vat.data_prep.code_chats import read_code_chats
@@ -267,8 +269,6 @@ def encode_heldout(tokenizer, conversations: list[list[dict]], max_len: int) -> 
 
 def build_model(spec: TinyTargetSpec, tokenizer):
     """A randomly initialised ``OlmoeForCausalLM`` sized by ``spec``, with the tokenizer's special ids in its config."""
-    from transformers import OlmoeConfig, OlmoeForCausalLM
-
     config = OlmoeConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -489,7 +489,6 @@ def _build_into(work_dir: str, size: str, seed: int, spec: TinyTargetSpec) -> di
 
     model.save_pretrained(work_dir)
     tokenizer.save_pretrained(work_dir)
-    import transformers
 
     report = {
         "name": "tiny-target" if size == "full" else f"tiny-target-{size}",

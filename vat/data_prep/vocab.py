@@ -15,7 +15,11 @@ from __future__ import annotations
 import json
 import os
 
+import datasets
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
 
 from vat.errors import VatError, require_file
 
@@ -90,8 +94,6 @@ def target_to_draft_ids(t2d: torch.Tensor) -> torch.Tensor:
 
 def save_draft_vocab(path: str, d2t: torch.Tensor, t2d: torch.Tensor, metadata: dict | None = None) -> None:
     """Write ``d2t`` (int64) and ``t2d`` (bool) to a safetensors file with the vocabulary sizes in its metadata."""
-    from safetensors.torch import save_file
-
     _check(d2t, t2d)
     meta = {"format": FORMAT, "target_vocab_size": str(t2d.numel()), "draft_vocab_size": str(d2t.numel())}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()})
@@ -103,8 +105,6 @@ def save_draft_vocab(path: str, d2t: torch.Tensor, t2d: torch.Tensor, metadata: 
 
 def load_draft_vocab(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Read ``(d2t, t2d)`` written by :func:`save_draft_vocab` (or any safetensors file holding both)."""
-    from safetensors import safe_open
-
     require_file(path, "draft vocab file")
     try:
         with safe_open(path, framework="pt") as f:
@@ -117,8 +117,6 @@ def load_draft_vocab(path: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def read_vocab_metadata(path: str) -> dict:
     """The metadata dict of a draft-vocab file (strings)."""
-    from safetensors import safe_open
-
     with safe_open(require_file(path, "draft vocab file"), framework="pt") as f:
         return dict(f.metadata() or {})
 
@@ -149,7 +147,6 @@ def _target_vocab_size(data_dir: str, override: int | None) -> tuple[int, str]:
         size = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
         if size:
             return int(size), f"{tok}/config.json"
-    from transformers import AutoTokenizer
 
     return len(AutoTokenizer.from_pretrained(tok)), f"len(tokenizer {tok})"
 
@@ -161,8 +158,6 @@ def load_prepared_dataset(path: str):
     Raises:
         VatError: ``path`` is missing or is not a saved dataset, in one line.
     """
-    import datasets
-
     require_file(path, "prepared dataset")
     try:
         return datasets.load_from_disk(path)

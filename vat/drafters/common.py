@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vat.errors import VatError
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm: ``weight * x / sqrt(mean(x^2) + eps)``, statistics in fp32.
@@ -111,8 +113,6 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 def check_config_keys(cls: type, data: dict[str, Any]) -> None:
     """One :class:`VatError` line for a key of ``data`` that is not a field of the dataclass ``cls``."""
-    from vat.errors import VatError
-
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:

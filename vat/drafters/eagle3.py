@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from vat.drafters.common import RMSNorm, masked_attention, rope_cos_sin
 from vat.drafters.eagle3_config import NUM_AUX_LAYERS, VH_INPUTS, Eagle3Config, check_draft_matches_target
 from vat.drafters.eagle3_layer import Eagle3Attention, Eagle3DecoderLayer, FrozenEmbedding
-from vat.errors import VatError
+from vat.errors import VatError, require_file
 from vat.target.conventions import default_aux_layer_ids
 
 # the verification head starts as the constant prior P(accept) = 0.2 (zero weight): before it has learned anything
@@ -112,10 +113,6 @@ def map_draft_probs_to_target(probs: torch.Tensor, d2t: torch.Tensor, vocab_size
 
 def load_vocab_mapping(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Read ``d2t`` (int64 (V_d,) offsets) and ``t2d`` (bool (V,)) from a ``vat prep vocab`` safetensors file."""
-    from safetensors.torch import load_file
-
-    from vat.errors import require_file
-
     tensors = load_file(require_file(path, "draft vocab file"))
     missing = [k for k in ("d2t", "t2d") if k not in tensors]
     if missing:

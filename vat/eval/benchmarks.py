@@ -25,7 +25,11 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+import datasets
+
+from vat.data_prep.chat import normalize_record
 from vat.data_prep.code_chats import CODE_INSTRUCTION
+from vat.data_prep.readers import iter_records
 from vat.errors import VatError
 
 HUMANEVAL_INSTRUCTION = CODE_INSTRUCTION  # the bench target's code chats are trained in this very format
@@ -127,8 +131,6 @@ def row_to_prompt(row: dict, index: int, benchmark: str) -> Prompt | None:
     if isinstance(row.get("prompt"), str) and row["prompt"].strip():
         return Prompt(row.get("id", index), str(row.get("category", benchmark)), [row["prompt"]], benchmark)
     if any(isinstance(row.get(k), list) for k in ("conversations", "messages", "data")):  # chats: the user turns
-        from vat.data_prep.chat import normalize_record
-
         messages, reason, _ = normalize_record(row)
         user = [m["content"] for m in messages or [] if m["role"] == "user"]
         if user:
@@ -146,15 +148,11 @@ def _benchmark_name(path: str) -> str:
 
 
 def _rows_from_file(path: str):
-    from vat.data_prep.readers import iter_records
-
     return iter_records(path)
 
 
 def _rows_from_hub(name: str, config: str | None = None, split: str | None = None):
     try:
-        import datasets
-
         loaded = datasets.load_dataset(name, config, split=split) if split else datasets.load_dataset(name, config)
     except Exception as err:  # offline, unknown name: one clear line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -24,7 +24,9 @@ import os
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 
+from vat.data_prep.vocab import target_to_draft_ids
 from vat.errors import VatError, require_file
 
 AFFINITY_FILE = "affinity.safetensors"  # a vat draft directory's own table (trainer output)
@@ -67,8 +69,6 @@ class ExpertPredictor:
             vocab_size: V, the target vocab.
             t2d: (V,) bool draft-vocab membership of the draft the tree comes from (None: rows must be target ids).
         """
-        from safetensors import safe_open
-
         if os.path.isdir(path):
             path = os.path.join(path, AFFINITY_FILE)
         require_file(path, "affinity table")
@@ -90,8 +90,6 @@ class ExpertPredictor:
         if indexed_by == "target_id" and n_rows == vocab_size:
             rows = torch.arange(vocab_size)
         elif indexed_by == "draft_id" and t2d is not None and n_rows == int(t2d.sum()):
-            from vat.data_prep.vocab import target_to_draft_ids
-
             rows = target_to_draft_ids(t2d.cpu())
         else:
             raise VatError(

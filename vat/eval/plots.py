@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import os
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 AR_LABEL = "none"
 NO_BUDGET = "none"
 
 
 def _pyplot():
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     return plt
 

@@ -26,6 +26,9 @@ from collections.abc import Sequence
 
 import torch
 
+from vat.target import BudgetSpec
+from vat.target.budget import AcceptMoESpec
+
 COUNT_KEYS = ("matches", "compared", "first_divergence", "turns", "identical", "kl_sum", "kl_count",
               "step_matches", "step_compared", "step_turns")
 
@@ -147,9 +150,6 @@ def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int], 
     Returns:
         ``{key: (Σ KL over response positions, number of positions)}`` for every key of ``budgets``.
     """
-    from vat.target import BudgetSpec
-    from vat.target.budget import AcceptMoESpec
-
     start = len(prompt_ids)
     n = len(response_ids)
     if n == 0 or not budgets:

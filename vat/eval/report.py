@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from vat.eval.plots import write_plots
+
 MIB = 1024.0 * 1024.0
 ACCEPT_COLUMNS = 3  # acceptance-by-position columns shown in the tables
 
@@ -24,8 +26,6 @@ def write_outputs(result: dict, output: str, plots: bool = True) -> dict[str, st
     paths = {"eval.json": os.path.join(output, "eval.json"), "report.md": os.path.join(output, "report.md")}
     figures: dict[str, str] = {}
     if plots:
-        from vat.eval.plots import write_plots
-
         figures = write_plots(result, output)
         paths.update(figures)
     write_json(paths["eval.json"], result)

@@ -19,9 +19,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
+from vat.drafters.dflash import DFlashDrafter, check_dflash_matches_target
+from vat.drafters.eagle3 import Eagle3Drafter, check_draft_matches_target
 from vat.errors import VatError
+from vat.eval.benchmarks import load_benchmark
+from vat.eval.commitment import load_commitment
+from vat.eval.cost import CostModel, add_costs, draft_shape, get_accelerator, pooled_cost, served_bytes_of, target_shape
+from vat.eval.ecospec import AFFINITY_FILE, EcoSpec, ExpertPredictor
 from vat.eval.engine import SpeculativeEngine
+from vat.eval.evict import Evict
 from vat.eval.free_drafts import is_free_draft, parse_free_draft
 from vat.eval.metrics import PromptRun, by_category, prompt_counts, prompt_totals, set_speedups, summarize
 from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, NgramSpec
@@ -35,8 +44,13 @@ from vat.eval.quality import (
     summarize_quality,
 )
 from vat.eval.reference_cache import load_reference, reference_key, save_reference
+from vat.eval.report import markdown_summary, write_outputs
 from vat.eval.suffix import SuffixSpec
 from vat.eval.tree import TreeSpec
+from vat.eval.verify_cost import DEFAULT_WIDTHS, build_verify_cost, load_verify_cost, own_texts
+from vat.export.checkpoint import load_draft
+from vat.target import FrozenTarget, load_target
+from vat.target.budget import POLICIES, AcceptMoESpec
 
 AR_LABEL = "none"
 NO_BUDGET = "none"
@@ -65,8 +79,6 @@ class DraftEntry:
 
     @property
     def is_block(self) -> bool:
-        from vat.drafters.dflash import DFlashDrafter
-
         return isinstance(self.model, DFlashDrafter)
 
 
@@ -123,10 +135,6 @@ def _draft_label(path: str, taken: set[str]) -> str:
 
 
 def _load_drafts(drafts: list[Any], ngram: NgramSpec) -> list[DraftEntry]:
-    from vat.drafters.dflash import DFlashDrafter
-    from vat.drafters.eagle3 import Eagle3Drafter
-    from vat.export.checkpoint import load_draft
-
     entries, taken = [], set()
     for i, spec in enumerate(drafts):
         label = None
@@ -155,8 +163,6 @@ def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str 
     Loaded with the trainer's loader (:func:`vat.target.load_target`); ``experts_impl`` None = ``grouped_mm`` for a
     path, the target's own for a loaded :class:`FrozenTarget` (switched when another is asked for).
     """
-    from vat.target import FrozenTarget, load_target
-
     if isinstance(target, FrozenTarget):
         if experts_impl is not None and experts_impl != target.experts_impl:
             target.set_experts_impl(experts_impl)
@@ -179,9 +185,6 @@ def _load_target(target: Any, drafts: list[DraftEntry], dtype: str, device: str 
 def _attach(drafts: list[DraftEntry], target, vh_threshold: float | None) -> None:
     """Check each trained draft against the target, give it the target's embedding (and a DFlash draft its LM head),
     device and dtype."""
-    from vat.drafters.dflash import check_dflash_matches_target
-    from vat.drafters.eagle3 import check_draft_matches_target
-
     with_vh = [d for d in drafts if d.model.verification_head is not None]
     if vh_threshold is not None and not drafts:
         # only the n-gram draft / AR: nothing has a head; a caller sweeping one setting over every cell gets on
@@ -205,7 +208,6 @@ def _attach(drafts: list[DraftEntry], target, vh_threshold: float | None) -> Non
 def _load_tokenizer(tokenizer: Any, target) -> Any:
     if tokenizer is not None and not isinstance(tokenizer, str):
         return tokenizer
-    from transformers import AutoTokenizer
 
     path = tokenizer or target.path
     if not path:
@@ -262,9 +264,6 @@ def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_
     if evict is not None and (drafter is None or config.draft.is_free):
         evict = None  # EVICT truncates a trained draft's chain, block or tree; n-gram chains carry no probabilities
     elif evict is not None:
-        from vat.eval.cost import draft_shape
-        from vat.eval.evict import Evict
-
         cap = config.budget if isinstance(config.budget, int) else None  # a fixed B caps the verified union
         evict = Evict(evict[0], evict[1], draft_shape(drafter), budget=cap)
     return SpeculativeEngine(
@@ -277,8 +276,6 @@ def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_
 
 def _run_config(engine, tokenizer, prompts, config: RunConfig, benchmark: str, temperature: float, seed: int,
                 out_file, progress: bool, expert_bytes_per_layer: list[int]) -> list[PromptRun]:
-    from tqdm.auto import tqdm
-
     warm = render_chat(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
     saved, engine.max_new_tokens = engine.max_new_tokens, min(4, engine.max_new_tokens)
     engine.generate(warm, _generator(engine.target.device, seed, -1, 0))  # warm-up, not timed
@@ -423,8 +420,6 @@ def run_eval(
                                 ecospec_lambda=ecospec_lambda, affinity=affinity, commitment=commitment)
     result = _result(run, collected, recorded, device_map=device_map, seconds=time.time() - start)
     if output:
-        from vat.eval.report import write_outputs
-
         write_outputs(result, output, plots=plots)
     return result
 
@@ -463,8 +458,6 @@ def _check_settings(*, batch_size: int, steps: int, temperature: float, tree, tr
     if verify_cost is not None and tree_policy != "evict":
         raise VatError("--verify-cost is EVICT's profile: add --tree-policy evict")
     if cost_model is not None:
-        from vat.eval.cost import get_accelerator, served_bytes_of
-
         get_accelerator(cost_model), served_bytes_of(served_dtype)  # bad names stop before anything loads
     if verify_cost is not None and not os.path.exists(verify_cost):
         raise VatError(f"--verify-cost {verify_cost}: no such file (write it with `vat profile --verify-widths ...`)")
@@ -545,8 +538,6 @@ def _set_up(target, drafts, settings: _Settings, *, ngram: NgramSpec, vh_thresho
 
 def _benchmark_prompts(run: _Run, spec: str, limit: int | None, out: _Collected) -> tuple[str, list]:
     """A benchmark's name (with its category filter, unique in this run) and the prompts that fit the target."""
-    from vat.eval.benchmarks import load_benchmark
-
     loaded = load_benchmark(spec, limit=limit)
     name = loaded[0].benchmark
     base = spec.rsplit("@", 1)[0] if not os.path.exists(spec) else spec  # the split is in the name already
@@ -611,8 +602,6 @@ def _evaluate_pass(run: _Run, config: RunConfig, name: str, prompts: list, gen_f
         prompt_totals(r, run.bytes_per_layer) for r in runs
     ]
     if run.cost is not None:
-        from vat.eval.cost import add_costs
-
         add_costs(run.cost, engine, runs, metrics, out.per_prompt[label][budget][name])
     out.all_runs.setdefault((label, budget), []).extend(runs)
     return runs
@@ -625,8 +614,6 @@ def _pooled(run: _Run, out: _Collected) -> dict[str, dict[str, dict]]:
     for (label, budget), runs in out.all_runs.items():
         pooled.setdefault(label, {})[budget] = summarize(runs, run.bytes_per_layer, E)
         if run.cost is not None:
-            from vat.eval.cost import pooled_cost
-
             pooled[label][budget]["cost"] = pooled_cost(
                 [e for per in out.per_prompt[label][budget].values() for e in per])
         if (label, budget) in out.pooled_quality:
@@ -716,8 +703,6 @@ def _natural_reference(target, configs: list[RunConfig], bench_runs: dict[int, l
     and without ``none`` among its budgets, or sampling — one extra autoregressive greedy pass per prompt produces
     it (the cost of an AR baseline, recorded in ``quality_reference``; stored in the cache when there is one).
     """
-    from tqdm.auto import tqdm
-
     if temperature == 0:
         lossless = _lossless_run(configs, bench_runs)
         if lossless is not None:
@@ -745,8 +730,6 @@ def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[Pr
                  progress: bool) -> None:
     """Quality figures of every budgeted config on one benchmark (:mod:`vat.eval.quality`): ``quality`` in its
     metrics and in each ``per_prompt`` entry (the counts, summed over turns), pooled counts in ``pooled_quality``."""
-    from tqdm.auto import tqdm
-
     budgeted = [(i, c) for i, c in enumerate(configs) if c.budget is not None and i in bench_runs]
     window = {i: 1 + _drafted_per_round(c.draft, steps, tree_spec) for i, c in budgeted}  # the verification block
     keys = sorted({_kl_key(c, window[i]) for i, c in budgeted}, key=repr)
@@ -777,15 +760,11 @@ def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[Pr
 def _cost_and_evict(target, cost_model: str | None, served_dtype: str, tree_policy: str, verify_cost: str | None):
     """The cost model (None without ``cost_model`` unless EVICT needs one: h200) and EVICT's ``(cost model, profile)``
     (None unless ``tree_policy`` is ``evict``; the profile None = build it on the fly)."""
-    from vat.eval.cost import CostModel, get_accelerator, served_bytes_of, target_shape
-
     if cost_model is None and tree_policy != "evict":
         return None, None
     model = CostModel(get_accelerator(cost_model or "h200"), target_shape(target), served_bytes_of(served_dtype))
     evict = None
     if tree_policy == "evict":
-        from vat.eval.verify_cost import load_verify_cost
-
         table = load_verify_cost(verify_cost, len(target.moe_layer_ids)) if verify_cost else None
         evict = (model, table)
     return (model if cost_model is not None else None), evict
@@ -796,8 +775,6 @@ EVICT_PROFILE_PROMPTS = 8  # prompts EVICT profiles on the fly without --verify-
 
 def _profile_on_the_fly(target, tok, prompts, max_new_tokens: int, block: int, model):
     """EVICT's verification-cost profile from the target's own greedy answers to the first prompts (first turns)."""
-    from vat.eval.verify_cost import DEFAULT_WIDTHS, build_verify_cost, own_texts
-
     ids = [render_chat(tok, [{"role": "user", "content": p.turns[0]}]) for p in prompts[:EVICT_PROFILE_PROMPTS]]
     widths = sorted({w for w in DEFAULT_WIDTHS if w < block} | {block})
     texts = own_texts(target, ids, max_new_tokens)
@@ -814,8 +791,6 @@ def _kl_key(config: RunConfig, window: int) -> tuple:
 
 def _check_policies(tree_spec, tree_policy: str, affinity, policy: str, budgets: list, commitment) -> None:
     """One-line errors for EcoSpec / AcceptMoE options that cannot apply, before anything loads."""
-    from vat.target.budget import POLICIES
-
     if policy not in POLICIES:
         raise VatError(f"--policy `{policy}`: one of {', '.join(POLICIES)}")
     if tree_policy == "ecospec" and tree_spec is None:
@@ -833,9 +808,6 @@ def _check_policies(tree_spec, tree_policy: str, affinity, policy: str, budgets:
 def _attach_policies(drafts: list[DraftEntry], target, tree_spec, tree_policy: str, lam: float,
                      affinity: str | None, policy: str, commitment: str | None) -> None:
     """Give each trained draft its EcoSpec selection (tree drafts) and its AcceptMoE commitment weighting."""
-    from vat.eval.ecospec import AFFINITY_FILE, EcoSpec, ExpertPredictor
-    from vat.target.budget import AcceptMoESpec
-
     for d in drafts:
         if tree_policy == "ecospec" and tree_spec is not None and not d.is_block:
             source = affinity or d.path
@@ -845,8 +817,6 @@ def _attach_policies(drafts: list[DraftEntry], target, tree_spec, tree_policy: s
             t2d = getattr(d.model, "t2d", None)
             d.ecospec = EcoSpec(ExpertPredictor.load(source, target.vocab_size, t2d), lam=lam)
         if policy == "acceptmoe":
-            from vat.eval.commitment import load_commitment
-
             p_hat = load_commitment(commitment, d.path) if commitment is not None else ()
             d.acceptmoe = AcceptMoESpec(commitment=p_hat)
 
@@ -897,8 +867,6 @@ def _default_budgets(budget: str | None, policy: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `vat eval` (setup -> run -> write)."""
-    from vat.eval.report import markdown_summary
-
     drafts = args.draft or [AR_LABEL]
     result = run_eval(
         target=args.target, drafts=drafts, benchmarks=args.benchmark or ["spec_bench"], steps=args.steps,

@@ -25,10 +25,12 @@ import re
 from collections.abc import Sequence
 
 import torch
+from transformers import AutoTokenizer
 
+from vat.eval.benchmarks import load_benchmark
 from vat.eval.engine import SpeculativeEngine
 from vat.eval.prompts import decode, eos_token_ids, render_chat
-from vat.target import contiguous_windows, window_union
+from vat.target import contiguous_windows, load_target, window_union
 
 CODE_FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)(?:```|$)", re.DOTALL)
 
@@ -166,11 +168,6 @@ def write_quality(target_dir: str, output_dir: str, *, benchmarks: Sequence[str]
                   limit: int = 40, max_new_tokens: int = 96, window: int = 8, **load_kwargs) -> str:
     """Load the target at ``target_dir``, measure its quality table on ``benchmarks`` (``limit`` prompts each, spread
     over categories) and write ``quality.json`` and ``quality.md`` into ``output_dir``; returns the Markdown."""
-    from transformers import AutoTokenizer
-
-    from vat.eval.benchmarks import load_benchmark
-    from vat.target import load_target
-
     target = load_target(target_dir, **load_kwargs)
     try:
         tokenizer = AutoTokenizer.from_pretrained(target.path or target_dir)

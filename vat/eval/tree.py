@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vat.errors import VatError
 from vat.eval.draft_state import DraftHead, DraftState
 from vat.eval.sampling import accept_children_sampling, sample, target_probs
 
@@ -38,8 +39,6 @@ class TreeSpec:
     @classmethod
     def parse(cls, text: str) -> TreeSpec:
         """``"top_k,depth,total_tokens"`` -> :class:`TreeSpec`."""
-        from vat.errors import VatError
-
         parts = [p.strip() for p in str(text).split(",")]
         try:
             top_k, depth, total = (int(p) for p in parts)

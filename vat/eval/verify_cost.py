@@ -19,6 +19,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vat.errors import VatError
+from vat.eval.engine import SpeculativeEngine
+from vat.target import window_union
+from vat.target.cache import crop_cache, new_cache
 
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -99,8 +102,6 @@ def load_verify_cost(path: str, num_moe_layers: int | None = None) -> VerifyCost
 
 def own_texts(target, prompts_ids: Sequence[Sequence[int]], new_tokens: int) -> list[tuple[list[int], list[int]]]:
     """(prompt, greedy answer) pairs: the target's own continuation of each prompt, ``new_tokens`` long at most."""
-    from vat.eval.engine import SpeculativeEngine
-
     engine = SpeculativeEngine(target, None, max_new_tokens=new_tokens)
     return [(list(p), engine.generate(list(p)).token_ids) for p in prompts_ids]
 
@@ -122,9 +123,6 @@ def build_verify_cost(target, texts: Sequence[tuple[Sequence[int], Sequence[int]
     Returns:
         A :class:`VerifyCostTable` (widths with no full window in any text are left out).
     """
-    from vat.target import window_union
-    from vat.target.cache import crop_cache, new_cache
-
     widths = sorted({int(w) for w in widths if int(w) >= 1})
     if not widths:
         raise VatError("--verify-widths needs at least one width >= 1")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter, identity_vocab_mapping
 from vat.errors import VatError
@@ -74,8 +75,6 @@ def write_json(path: str, data: dict[str, Any]) -> None:
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
     """Write a safetensors file atomically; tensors are moved to CPU and made contiguous."""
-    from safetensors.torch import save_file
-
     tmp = f"{path}.tmp.{os.getpid()}"
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
     os.replace(tmp, path)
@@ -126,8 +125,6 @@ def read_json(path: str) -> dict[str, Any]:
 
 def read_weights(directory: str) -> dict[str, torch.Tensor]:
     """Read ``model.safetensors`` (or a legacy ``pytorch_model.bin``) from a draft directory."""
-    from safetensors.torch import load_file
-
     path = os.path.join(directory, WEIGHTS_FILE)
     if os.path.isfile(path):
         return load_file(path)
@@ -556,8 +553,6 @@ def add_verification_head(state: dict[str, torch.Tensor], cfg: Any, directory: s
     """
     vh_path = os.path.join(directory, VH_FILE)
     if os.path.isfile(vh_path):
-        from safetensors.torch import load_file
-
         state.update(load_file(vh_path))
         cfg.verification_head = True
     elif cfg.verification_head:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from vat.drafters.dflash import DFlashDrafter
 from vat.errors import VatError
+from vat.export.checkpoint import load_draft
+from vat.export.dflash import export_dflash
+from vat.export.sglang import export_sglang
+from vat.export.speculators import export_speculators
 
 
 def export_draft(checkpoint: str, fmt: str, output: str, target: str | None = None) -> str:
@@ -22,9 +27,6 @@ def export_draft(checkpoint: str, fmt: str, output: str, target: str | None = No
     Returns:
         ``output``.
     """
-    from vat.drafters.dflash import DFlashDrafter
-    from vat.export import export_dflash, export_sglang, export_speculators, load_draft
-
     if fmt not in ("sglang", "speculators", "dflash"):
         raise VatError(f"unknown export format {fmt!r} (choose from sglang, speculators, dflash)")
     if os.path.abspath(output) == os.path.abspath(checkpoint):

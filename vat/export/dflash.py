@@ -28,6 +28,7 @@ from vat.export.checkpoint import (
     dtype_name,
     llama_layer_dims,
     load_strict,
+    read_json,
     read_weights,
     register_format,
     register_writer,
@@ -168,8 +169,6 @@ def load_dflash(
         ``(model, cfg)`` in eval mode; attach the target's tables with ``set_embedding`` (done here when
         ``embed_weight`` is given) and ``set_lm_head``.
     """
-    from vat.export.checkpoint import read_json
-
     cfg = parse_dflash_config(read_json(os.path.join(directory, CONFIG_FILE)), directory)
     state = {}
     for name, tensor in read_weights(directory).items():

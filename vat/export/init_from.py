@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from vat.drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_matches_target
 from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from vat.errors import VatError
 from vat.export.checkpoint import load_draft, read_draft_config
@@ -172,8 +173,6 @@ def init_dflash_from(
     Raises:
         VatError: the source cannot be read, is not a DFlash draft, or does not fit the target.
     """
-    from vat.drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_matches_target
-
     where = f"init_from {directory}"
     cfg = read_draft_config(directory)
     if not isinstance(cfg, DFlashConfig):

@@ -12,8 +12,11 @@ import json
 import os
 
 import torch
+from huggingface_hub import hf_hub_download, snapshot_download
+from safetensors import safe_open
 
 from vat.errors import VatError
+from vat.target.model import resolve_target_path
 
 # where transformers causal LMs keep the input embedding (plain, multimodal wrappers, GPT-2 style)
 EMBEDDING_KEYS = (
@@ -28,14 +31,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def _target_dir(path: str) -> str:
     """A local directory holding the target's weights (``tiny`` names resolved, hub names fetched: index + json)."""
-    from vat.target.model import resolve_target_path
-
     path = resolve_target_path(path)
     if os.path.isdir(path):
         return path
     try:
-        from huggingface_hub import snapshot_download
-
         return snapshot_download(path, allow_patterns=["*.json"])
     except Exception as err:  # noqa: BLE001 - any hub failure is one line for the user
         raise VatError(
@@ -45,8 +44,6 @@ def _target_dir(path: str) -> str:
 
 def _shard_with_key(directory: str) -> tuple[str, str]:
     """(safetensors file name, tensor name) of the embedding in a target directory."""
-    from safetensors import safe_open
-
     index = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index):
         with open(index) as f:
@@ -78,14 +75,10 @@ def read_target_embedding(target_path: str, vocab_size: int, hidden_size: int) -
     Raises:
         VatError: the target or the tensor cannot be found, or its shape is not (V, H).
     """
-    from safetensors import safe_open
-
     directory = _target_dir(target_path)
     file, key = _shard_with_key(directory)
     path = os.path.join(directory, file)
     if not os.path.isfile(path):  # a hub snapshot fetched only the index: fetch the one shard
-        from huggingface_hub import hf_hub_download
-
         path = hf_hub_download(target_path, file)
     with safe_open(path, "pt") as f:
         weight = f.get_tensor(key)

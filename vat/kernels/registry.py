@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from vat.errors import VatError
 
@@ -117,8 +118,6 @@ def register_triton_experts() -> str:
     Returns:
         The implementation name to pass to ``model.set_experts_implementation``.
     """
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL_NAME, triton_experts_forward)
     return EXPERTS_IMPL_NAME
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from vat.target.budget import BudgetSpec, window_groups
+
 
 def window_union(topk_ids: torch.Tensor, groups: torch.Tensor, n_groups: int, num_experts: int) -> torch.Tensor:
     """Number of distinct experts each window executes in each MoE layer.
@@ -44,8 +46,6 @@ def contiguous_windows(valid: torch.Tensor, window: int, offset: int = 0) -> tup
     Returns:
         ``(groups (B, T), n_groups)`` with -1 on padding.
     """
-    from vat.target.budget import BudgetSpec, window_groups
-
     batch, length = valid.shape
     positions = torch.arange(length, device=valid.device).expand(batch, -1)
     return window_groups(positions, valid, BudgetSpec(B=None, window=window, offset=offset))

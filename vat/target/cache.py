@@ -21,6 +21,9 @@ import inspect
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
+from transformers import DynamicCache
 
 from vat.errors import VatError
 
@@ -43,9 +46,6 @@ def _cache_keyword_of(forward: Any) -> str:
 def _cache_keyword_of_version() -> str:
     """Fallback for a forward whose signature names neither (``**kwargs`` only): ``past_key_values`` is accepted by
     every release before 5.40 (natively, or as the deprecated alias of ``cache``), ``cache`` from then on."""
-    import transformers
-    from packaging.version import Version
-
     return "cache" if Version(transformers.__version__).release >= (5, 40) else "past_key_values"
 
 
@@ -75,8 +75,6 @@ def output_cache(outputs: Any) -> Any:
 
 def new_cache(config: Any = None) -> Any:
     """An empty ``DynamicCache`` (pass the model config for sliding-window / hybrid layer types)."""
-    from transformers import DynamicCache
-
     return DynamicCache(config=config) if config is not None else DynamicCache()
 
 

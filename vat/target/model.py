@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from vat.data_prep import tiny_target
 from vat.errors import VatError
@@ -251,8 +253,6 @@ def load_target(
     Returns:
         A :class:`FrozenTarget`.
     """
-    from transformers import AutoModelForCausalLM, PretrainedConfig
-
     if experts_impl not in EXPERTS_IMPLS:
         raise VatError(f"unknown experts implementation `{experts_impl}`: one of {', '.join(EXPERTS_IMPLS)}")
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -317,8 +317,6 @@ def set_experts_implementation(model: nn.Module, experts_impl: str) -> bool:
 
 def _mask_sentinels(model: nn.Module, experts_impl: str) -> None:
     """Set :data:`EXPERT_PARALLEL_FLAG` on every experts module, or refuse in one line if transformers lacks it."""
-    import transformers
-
     experts = [block.experts for _, block in adapter_for(model.config).moe_blocks(model)]
     missing = [type(e).__name__ for e in experts if not hasattr(e, EXPERT_PARALLEL_FLAG)]
     if missing:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vat.errors import VatError
+
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -80,8 +82,6 @@ def write_checkpoint(output_dir: str, step: int, write_fn, keep_last: int) -> st
 
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     """``None`` -> None; ``auto`` -> the newest checkpoint (or None if there is none); else the given path."""
-    from vat.errors import VatError
-
     if resume in (None, "", "none", "null"):
         return None
     if resume == "auto":

@@ -8,10 +8,12 @@ in the data is ``(epoch, batch index)``, which is all a checkpoint needs to resu
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
 import torch
+from datasets import load_from_disk
 
 from vat.errors import VatError
 
@@ -22,10 +24,6 @@ def load_prepared(path: str, max_length: int | None = None, limit: int | None = 
     Returns:
         ``(dataset, n_dropped_over_length)``.
     """
-    import os
-
-    from datasets import load_from_disk
-
     if not os.path.exists(path):
         raise VatError(f"prepared dataset not found: {path} (make one with `vat prep chat`)")
     try:

@@ -12,7 +12,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
+from vat.data_prep import tiny_target
+from vat.data_prep.chat import prepare_chat
+from vat.data_prep.code_chats import write_mixed_source
+from vat.data_prep.regen import DEFAULT_BATCH_SIZE, Regenerator, cpu_threads, load_generator_model, regenerate_file
+from vat.data_prep.tiny_target import spec_for
+from vat.data_prep.vocab import build_draft_vocab, count_tokens, save_draft_vocab
 from vat.errors import VatError
+from vat.paths import sharegpt_path, tiny_cache_name, tiny_size, vat_home
+from vat.target.model import resolve_target_path
+from vat.train.data import load_prepared
 
 TINY_DATA_ROWS = {"tiny": 6000, "tiny-quick": 600, "tiny-bench": 6000}  # ShareGPT conversations read per build
 TINY_DATA_NAMES = ("tiny", "tiny-regen", "tiny-regen-t1")  # data.train values resolved here (else a path or hub name)
@@ -34,10 +45,6 @@ def ensure_tiny_data(target_name: str = "tiny", max_length: int = 1024) -> str:
     Returns:
         The dataset directory (``datasets.load_from_disk``).
     """
-    from vat.data_prep.chat import prepare_chat
-    from vat.paths import sharegpt_path, tiny_cache_name, vat_home
-    from vat.target.model import resolve_target_path
-
     if target_name not in TINY_DATA_ROWS:
         raise VatError(f"data.train `tiny` needs the embedded target (target.path: tiny), not `{target_name}`")
     out = os.path.join(vat_home(), "data", f"{tiny_cache_name(target_name)}-sharegpt-{max_length}")
@@ -85,11 +92,6 @@ def ensure_tiny_regen_data(
     Returns:
         The dataset directory (``datasets.load_from_disk``).
     """
-    from vat.data_prep.chat import prepare_chat
-    from vat.data_prep.tiny_target import build_lock
-    from vat.paths import vat_home
-    from vat.target.model import resolve_target_path
-
     plan = _tiny_regen_plan(target_name, conversations, max_new_tokens, max_length, max_turns, temperature)
     data_dir = os.path.join(vat_home(), "data")
     out = os.path.join(data_dir, f"{plan.name}-{max_length}")
@@ -98,7 +100,7 @@ def ensure_tiny_regen_data(
     regen_file = os.path.join(data_dir, f"{plan.name}.jsonl")  # independent of max_length: shared by every cut
     # the lock is the regen file's, not the cut's: two runs wanting different max_length cuts of the same regen
     # file must not both append to it (each skips only the ids done when it started)
-    with build_lock(regen_file):
+    with tiny_target.build_lock(regen_file):  # through the module: tests stand in for the lock
         if os.path.exists(os.path.join(out, "stats.json")):  # built while we waited
             return out
         target_dir = resolve_target_path(target_name)
@@ -135,9 +137,6 @@ def _tiny_regen_plan(
     temperature: float,
 ) -> _TinyRegenPlan:
     """Fill in :data:`TINY_REGEN`'s defaults, cap the prompts to the target's context and name the build."""
-    from vat.data_prep.tiny_target import spec_for
-    from vat.paths import tiny_cache_name, tiny_size
-
     if target_name not in TINY_REGEN:
         raise VatError(f"data.train `tiny-regen` needs the embedded target (target.path: tiny), not `{target_name}`")
     defaults = TINY_REGEN[target_name]
@@ -160,13 +159,8 @@ def _tiny_regen_plan(
 
 def _tiny_regen_source(target_name: str, plan: _TinyRegenPlan, data_dir: str) -> str:
     """The chat file to regenerate: ShareGPT, or its first rows with code chats interleaved (written once)."""
-    from vat.data_prep.tiny_target import spec_for
-    from vat.paths import sharegpt_path, tiny_cache_name, tiny_size
-
     source = sharegpt_path()
     if plan.code_fraction:  # ShareGPT's first rows with code chats interleaved, written once
-        from vat.data_prep.code_chats import write_mixed_source
-
         spec = spec_for(tiny_size(target_name))
         source = os.path.join(data_dir, f"{tiny_cache_name(target_name)}-regen-source-c{plan.conversations}-"
                                         f"code{plan.code_fraction:g}.jsonl")
@@ -186,16 +180,6 @@ def _regenerate_tiny_answers(
     temperature: float,
 ) -> None:
     """Append the target's answers to ``source``'s first conversations to ``regen_file`` (seeded; resumable)."""
-    import torch
-
-    from vat.data_prep.regen import (
-        DEFAULT_BATCH_SIZE,
-        Regenerator,
-        cpu_threads,
-        load_generator_model,
-        regenerate_file,
-    )
-
     model, tokenizer = load_generator_model(target_dir)
     regen = Regenerator(
         model,
@@ -232,9 +216,6 @@ def ensure_draft_vocab(data_dir: str, vocab_size: int, draft_vocab_size: int, ca
     Returns:
         Path of a safetensors file with ``d2t`` and ``t2d``.
     """
-    from vat.data_prep.vocab import build_draft_vocab, count_tokens, save_draft_vocab
-    from vat.train.data import load_prepared
-
     size = min(draft_vocab_size, vocab_size)
     path = os.path.join(cache_dir, f"draft_vocab_{size}.safetensors")
     if os.path.exists(path):

@@ -14,10 +14,19 @@ Launch: ``accelerate launch [--num_processes N] -m vat train RECIPE`` (README "M
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from vat.errors import VatError
 
@@ -82,7 +91,6 @@ def full_state_dicts(model: torch.nn.Module, optimizer: Any, sharded: bool) -> t
     """
     if not sharded:
         return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     optim = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
@@ -95,8 +103,6 @@ def full_state_dicts(model: torch.nn.Module, optimizer: Any, sharded: bool) -> t
 
 def _copy_containers(tree: Any) -> Any:
     """``tree`` with new dicts and lists (the tensors shared)."""
-    from collections.abc import Mapping
-
     if isinstance(tree, Mapping):
         return {k: _copy_containers(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
@@ -107,8 +113,6 @@ def _copy_containers(tree: Any) -> Any:
 def _full_tensors(tree: Any, keep: bool) -> Any:
     """``tree`` with every DTensor gathered to a full CPU tensor (a collective, in the tree's order on every rank);
     ``keep=False`` drops the result (ranks other than 0)."""
-    from collections.abc import Mapping
-
     if isinstance(tree, Mapping):
         out = {k: _full_tensors(v, keep) for k, v in tree.items()}
         return out if keep else {}
@@ -126,7 +130,6 @@ def load_full_state_dicts(model: torch.nn.Module, optimizer: Any, model_state: d
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True)
     optim = getattr(optimizer, "optimizer", optimizer)
@@ -142,7 +145,6 @@ def fsdp2_plugin(on_gpu: bool):
     if not on_gpu:
         raise VatError("train.fsdp needs GPUs (accelerate runs CPU processes as DDP over gloo); "
                        "set train.fsdp=false on CPU")
-    from accelerate.utils import FullyShardedDataParallelPlugin
 
     return FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True, auto_wrap_policy="no_wrap",
                                           state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False)

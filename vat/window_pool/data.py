@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from transformers import AutoTokenizer
+
+from vat.data_prep.tiny_target import encode_heldout, pack_conversations, read_conversations, spec_for
 from vat.errors import VatError
-from vat.paths import TINY_TARGET_NAMES
+from vat.paths import TINY_TARGET_NAMES, sharegpt_path, tiny_size
+from vat.train.data import load_prepared
+from vat.train.defaults import TINY_DATA_NAMES, resolve_train_data
 
 PRETRAIN_NAME = "tiny-pretrain"
 HELDOUT_NAME = "tiny-heldout"
@@ -37,11 +42,6 @@ class TokenRows:
 
 
 def _tiny_split(target_name: str, tokenizer_dir: str):
-    from transformers import AutoTokenizer
-
-    from vat.data_prep.tiny_target import read_conversations, spec_for
-    from vat.paths import sharegpt_path, tiny_size
-
     spec = spec_for(tiny_size(target_name))
     train, heldout, _ = read_conversations(sharegpt_path(), spec)
     return spec, train, heldout, AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -62,16 +62,12 @@ def training_rows(name: str, target_path: str, tokenizer_dir: str, max_length: i
         :class:`TokenRows`; ``loss_mask`` is the data's own (1 everywhere for packed pretraining text).
     """
     if name == PRETRAIN_NAME:
-        from vat.data_prep.tiny_target import pack_conversations
-
         spec, train, _, tokenizer = _tiny_split(target_path if target_path in TINY_TARGET_NAMES else "tiny", tokenizer_dir)
         rows = pack_conversations(tokenizer, train, spec)[:, :max_length]  # (N, seq_len); [:, :None] keeps all
         if limit is not None:
             rows = rows[:limit]
         ids = rows.tolist()
         return TokenRows(ids, [[1] * len(r) for r in ids])
-    from vat.train.data import load_prepared
-    from vat.train.defaults import TINY_DATA_NAMES, resolve_train_data
 
     if name in TINY_DATA_NAMES:
         name = resolve_train_data(name, target_path if target_path in TINY_TARGET_NAMES else "tiny",
@@ -96,8 +92,6 @@ def heldout_sequences(name: str, target_path: str, tokenizer_dir: str, max_lengt
         :class:`TokenRows`.
     """
     if name == HELDOUT_NAME:
-        from vat.data_prep.tiny_target import encode_heldout
-
         _, _, heldout, tokenizer = _tiny_split(target_path if target_path in TINY_TARGET_NAMES else "tiny", tokenizer_dir)
         if limit is not None:
             heldout = heldout[:limit]

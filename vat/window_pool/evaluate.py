@@ -24,7 +24,9 @@ from tqdm.auto import tqdm
 
 from vat.errors import VatError
 from vat.eval.quality import kl_divergence
-from vat.target import BudgetSpec, load_target, window_union
+from vat.target import BudgetSpec, contiguous_windows, load_target, window_union
+from vat.train.data import collate
+from vat.window_pool.data import heldout_sequences
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,6 @@ def evaluate_target(target, rows, cells: list[Cell], batch_size: int = 8, policy
         ``{cell name: {"ppl", "masked_ppl", "kl", "agreement", "mean_union", "uncovered_fraction", "tokens",
         "window", "experts"}}``.
     """
-    from vat.train.data import collate
-
     sums = {c.name: {"nll": 0.0, "nll_m": 0.0, "n": 0, "n_m": 0, "kl": 0.0, "agree": 0, "union": 0.0, "windows": 0,
                      "uncovered": 0, "token_layers": 0} for c in cells}
     pad = getattr(target.config, "pad_token_id", None)
@@ -104,8 +104,6 @@ def evaluate_target(target, rows, cells: list[Cell], batch_size: int = 8, policy
             groups = out.window_groups
             n_groups = out.n_windows
             if groups is None:
-                from vat.target import contiguous_windows
-
                 groups, n_groups = contiguous_windows(valid, window)
             union = window_union(out.topk_ids, groups, n_groups, target.num_experts)  # (L', G)
             real = torch.zeros(n_groups, dtype=torch.bool, device=union.device)
@@ -135,8 +133,6 @@ def run_grid(targets: dict[str, str], data: str, windows: list[int], pools: list
              verify_window: int, limit: int | None, max_length: int, batch_size: int, load_kwargs: dict,
              policy: str = "substitute", progress: bool = True) -> dict:
     """Every target over the same held-out sequences and cells; the ``perplexity_grid.json`` dict."""
-    from vat.window_pool.data import heldout_sequences
-
     cells = grid_cells(windows, pools, budgets, verify_window)
     out: dict = {"data": data, "limit": limit, "max_length": max_length, "policy": policy, "windows": windows,
                  "pools": pools, "budgets": budgets, "verify_window": verify_window, "targets": {}, "results": {}}

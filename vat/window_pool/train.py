@@ -20,14 +20,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer, get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from vat.config import to_yaml
 from vat.errors import VatError
+from vat.target import load_target
 from vat.target.budget import window_groups
 from vat.train.checkpointing import (
     STATE_FILE,
@@ -38,6 +44,7 @@ from vat.train.checkpointing import (
     write_checkpoint,
 )
 from vat.train.data import BucketedBatches, collate
+from vat.window_pool.data import training_rows
 from vat.window_pool.pools import check_ranges, draw_constraint, pool_mass
 
 SUMMARY_FILE = "window_pool.json"
@@ -84,11 +91,6 @@ class WindowPoolTrainer:
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
-        from accelerate import Accelerator
-        from accelerate.utils import set_seed
-
-        from vat.target import load_target
-
         cfg = self.cfg
         wp = cfg.window_pool
         if cfg.train.init_from or cfg.train.lora is not None:
@@ -152,8 +154,6 @@ class WindowPoolTrainer:
             raise VatError(f"window_pool.lora: {str(err).splitlines()[0]}") from None
 
     def _setup_data(self) -> None:
-        from vat.window_pool.data import training_rows
-
         cfg = self.cfg
         tokenizer_dir = self.target.path or cfg.target.path
         self.dataset = training_rows(cfg.data.train, cfg.target.path, tokenizer_dir, cfg.data.max_length,
@@ -168,8 +168,6 @@ class WindowPoolTrainer:
         self.pad_id = int(pad) if pad is not None else 0
 
     def _setup_optimizer(self) -> None:
-        from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
-
         cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
@@ -356,10 +354,6 @@ class WindowPoolTrainer:
 
     def save_final(self, last: dict[str, Any], cpu_seconds: float) -> str | None:
         """Write ``output_dir/final``: the target (adapters merged) + its tokenizer + ``window_pool.json``."""
-        import shutil
-
-        from transformers import AutoTokenizer
-
         self.accelerator.wait_for_everyone()
         if not self.is_main:
             return None
@@ -393,8 +387,6 @@ class WindowPoolTrainer:
 
 
 def _plain(node: Any) -> Any:
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from vat.drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_matches_target, sample_block_anchors
 from vat.drafters.dflash_config import default_target_layer_ids, resolve_mask_token_id
@@ -26,8 +27,6 @@ class DFlashKind(DrafterKind):
             target.aux_layer_ids = default_target_layer_ids(target.num_layers, cfg.drafter.num_layers)
         mask = cfg.drafter.mask_token_id
         if mask is None and target.path:
-            from transformers import AutoTokenizer
-
             mask = resolve_mask_token_id(AutoTokenizer.from_pretrained(target.path), target.vocab_size)
         if mask is None:
             raise VatError("the target has no tokenizer to take the DFlash MASK token from: set drafter.mask_token_id")
