@@ -19,7 +19,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,7 +27,6 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from vat.affinity import OnlineAffinity
@@ -40,13 +39,11 @@ from vat.paths import TINY_TARGET_NAMES
 from vat.target import BudgetSpec, load_target
 from vat.train.checkpointing import (
     STATE_FILE,
-    resolve_resume,
     rng_state,
     set_rng_state,
-    truncate_metrics,
     write_checkpoint,
 )
-from vat.train.data import BucketedBatches, collate, load_prepared
+from vat.train.data import BucketedBatches, load_prepared
 from vat.train.defaults import TINY_DATA_NAMES, ensure_draft_vocab, resolve_train_data
 from vat.train.distributed import (
     fsdp2_plugin,
@@ -59,6 +56,7 @@ from vat.train.distributed import (
 )
 from vat.train.kinds import drafter_kind
 from vat.train.kinds.base import check_vocab_setting
+from vat.train.loop import DataPosition, TrainLoop
 from vat.train.lora import apply_lora, merged_draft
 from vat.verify import simulate_verification, target_dist
 
@@ -77,15 +75,7 @@ def cli_main(args) -> int:
     return 0
 
 
-@dataclass
-class DataPosition:
-    """Where the run is in its data: the next batch is ``batches(epoch)[batch_index]``."""
-
-    epoch: int = 0
-    batch_index: int = 0
-
-
-class Trainer:
+class Trainer(TrainLoop):
     """Holds everything one training run needs; built by :meth:`setup`, driven by :meth:`run`.
 
     Args:
@@ -93,9 +83,8 @@ class Trainer:
     """
 
     def __init__(self, cfg: Any):
+        super().__init__()
         self.cfg = cfg
-        self.step = 0
-        self.position = DataPosition()
         self.nonfinite_total = 0
         self.nonfinite_streak = 0
         self.tracker = None
@@ -281,7 +270,7 @@ class Trainer:
             raise VatError(f"unknown train.scheduler `{cfg.train.scheduler}`: one of cosine, constant")
         # the scheduler is NOT prepared: accelerate's AcceleratedScheduler steps it num_processes times per optimizer
         # step (it assumes per-process batches grow the epoch), while total_steps counts optimizer steps; it is
-        # stepped once per optimizer step in _step_scheduler, so every world size runs the same schedule
+        # stepped once per optimizer step in step_scheduler (vat.train.loop), so every world size runs the same schedule
         self.drafter, self.optimizer = self.accelerator.prepare(self.drafter, self.optimizer)
         self.scheduler = scheduler
         # FSDP2 replaces the parameters by sharded ones (and remaps the optimizer): clip what the optimizer steps
@@ -386,11 +375,6 @@ class Trainer:
             return anchor_routing
         return anchor_routing[..., index, :]  # (..., L'', E)
 
-    def _step_scheduler(self) -> None:
-        """One scheduler step per optimizer step that ran (not per micro-batch, process or skipped fp16 step)."""
-        if self.accelerator.sync_gradients and not self.accelerator.optimizer_step_was_skipped:
-            self.scheduler.step()
-
     def _fold_affinity(self) -> None:
         """Fold the step's routing (every micro-batch of every rank, in rank order) into the online affinity table
         once: each rank then holds the table one process builds from the same global batch (README: multi-GPU)."""
@@ -414,75 +398,50 @@ class Trainer:
         return flat[torch.randperm(flat.numel(), generator=gen)[:cap].to(flat.device)]
 
     # ---- the loop ------------------------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        cfg = self.cfg
-        resume_dir = resolve_resume(cfg.resume, cfg.output_dir)
-        if resume_dir is not None:
-            self.load_state(resume_dir)
-        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    # ---- the loop's hooks (vat.train.loop) --------------------------------------------------------------------------
+    def trained_module(self) -> torch.nn.Module:
+        return self.drafter
+
+    def step_context(self, step: int):
+        return self._budget_for_step(step)
+
+    def forward_loss(self, batch: dict[str, torch.Tensor], context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self._forward_loss(batch, context)
+
+    def keep_micro_batch(self, loss: torch.Tensor, indices: list[int]) -> bool:
+        if not self._all_ranks_finite(loss):  # skipped by every rank together, or none: no hang
+            self._nonfinite(indices)
+            return False
+        self.nonfinite_streak = 0
+        return True
+
+    def clip_gradients(self) -> dict[str, torch.Tensor]:
+        return self._clip_gradients()
+
+    def after_step(self) -> None:
+        self._fold_affinity()
+
+    def on_run_start(self) -> None:
         if self.is_main:
-            truncate_metrics(metrics_path, self.step)
             self._init_tracker()
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not (self.is_main and cfg.logging.progress),
-                   dynamic_ncols=True)
-        last: dict[str, Any] = {}
-        stop_after = getattr(cfg.train, "stop_after", None)
-        epoch_batches = self.batches.epoch(self.position.epoch)
-        window_start = time.time()
-        window_tokens = 0.0
-        while self.step < self.total_steps:
-            sums: dict[str, torch.Tensor] = {}
-            losses = []
-            for _ in range(cfg.train.grad_accum):
-                if self.position.batch_index >= len(epoch_batches):
-                    self.position = DataPosition(self.position.epoch + 1, 0)
-                    epoch_batches = self.batches.epoch(self.position.epoch)
-                indices = epoch_batches[self.position.batch_index]
-                self.position.batch_index += 1
-                batch = {k: v.to(self.device) for k, v in collate([self.dataset[i] for i in indices], self.pad_id).items()}
-                with self.accelerator.accumulate(self.drafter):
-                    loss, metrics = self._forward_loss(batch, self._budget_for_step(self.step))
-                    if not self._all_ranks_finite(loss):  # skipped by every rank together, or none: no hang
-                        self._nonfinite(indices)
-                        self.optimizer.zero_grad(set_to_none=True)
-                        continue
-                    self.accelerator.backward(loss)
-                    if self.accelerator.sync_gradients:
-                        metrics.update(self._clip_gradients())
-                    self.optimizer.step()
-                    self._step_scheduler()
-                    self.optimizer.zero_grad(set_to_none=True)
-                self.nonfinite_streak = 0
-                losses.append(loss.detach().float())
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0) + value.detach().float()
-            self.step += 1
-            self._fold_affinity()
-            if not losses:
-                continue
-            window_tokens += float(sums.get("tokens", 0.0))
-            if self._logs_at(self.step):
-                record = self._reduce(sums, torch.stack(losses).mean())
-                elapsed = max(time.time() - window_start, 1e-9)
-                record["tokens_per_s"] = window_tokens * self.accelerator.num_processes / elapsed
-                window_start, window_tokens = time.time(), 0.0
-                last = record
-                if self.is_main:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-                    if self.tracker is not None:
-                        self.tracker.log(record, step=self.step)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_sim']:.2f}",
-                                    tok_s=f"{record['tokens_per_s']:.0f}")
-            bar.update(1)
-            if cfg.train.save_every and self.step % cfg.train.save_every == 0 and self.step < self.total_steps:
-                self.save_checkpoint()
-            if stop_after is not None and self.step >= stop_after:
-                break
-        bar.close()
-        if stop_after is None or self.step >= self.total_steps:
-            self.save_final(last)
-        return last
+        self.window_start, self.window_tokens = time.time(), 0.0
+
+    def step_record(self, sums: dict[str, torch.Tensor], losses: list[torch.Tensor], context) -> dict | None:
+        """Reduced across processes on logging steps only; tokens/s over the steps since the last record."""
+        self.window_tokens += float(sums.get("tokens", 0.0))
+        if not self._logs_at(self.step):
+            return None
+        record = self._reduce(sums, torch.stack(losses).mean())
+        elapsed = max(time.time() - self.window_start, 1e-9)
+        record["tokens_per_s"] = self.window_tokens * self.accelerator.num_processes / elapsed
+        self.window_start, self.window_tokens = time.time(), 0.0
+        return record
+
+    def on_record(self, record: dict, bar) -> None:
+        if self.tracker is not None:
+            self.tracker.log(record, step=self.step)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_sim']:.2f}",
+                        tok_s=f"{record['tokens_per_s']:.0f}")
 
     def _clip_gradients(self) -> dict[str, torch.Tensor]:
         """Clip the body and the verification head each to its own norm; return both pre-clip norms."""

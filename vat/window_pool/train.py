@@ -28,7 +28,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer, get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from vat.config import to_yaml
@@ -37,13 +36,12 @@ from vat.target import load_target
 from vat.target.budget import window_groups
 from vat.train.checkpointing import (
     STATE_FILE,
-    resolve_resume,
     rng_state,
     set_rng_state,
-    truncate_metrics,
     write_checkpoint,
 )
-from vat.train.data import BucketedBatches, collate
+from vat.train.data import BucketedBatches
+from vat.train.loop import DataPosition, TrainLoop
 from vat.window_pool.data import training_rows
 from vat.window_pool.pools import check_ranges, draw_constraint, pool_mass
 
@@ -74,18 +72,18 @@ def lm_loss_sums(logits: torch.Tensor, input_ids: torch.Tensor, valid: torch.Ten
     return (nll * keep).sum(), keep.sum().float()
 
 
-class WindowPoolTrainer:
+class WindowPoolTrainer(TrainLoop):
     """One Window Pool run: built by :meth:`setup`, driven by :meth:`run`.
 
     Args:
         cfg: the resolved :class:`vat.config.VatConfig` (``kind: window_pool``).
     """
 
+    progress_desc = "window_pool"
+
     def __init__(self, cfg: Any):
+        super().__init__()
         self.cfg = cfg
-        self.step = 0
-        self.epoch = 0
-        self.batch_index = 0
         self.tokens_seen = 0.0
         self.cpu_seconds_before = 0.0  # CPU time of earlier runs of this output_dir (resume)
 
@@ -221,68 +219,38 @@ class WindowPoolTrainer:
         ctx.pools.clear()  # drop the references to the graph
         return loss, sums
 
-    # ---- the loop ------------------------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        cfg = self.cfg
-        resume_dir = resolve_resume(cfg.resume, cfg.output_dir)
-        if resume_dir is not None:
-            self.load_state(resume_dir)
-        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-        if self.is_main:
-            truncate_metrics(metrics_path, self.step)
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="window_pool",
-                   disable=not (self.is_main and cfg.logging.progress), dynamic_ncols=True)
-        cpu_start, wall_start = time.process_time(), time.time()
-        epoch_batches = self.batches.epoch(self.epoch)
-        last: dict[str, Any] = {}
-        stop_after = cfg.train.stop_after
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        while self.step < self.total_steps:
-            spec = draw_constraint(cfg.window_pool, cfg.seed, self.step)
-            sums: dict[str, torch.Tensor] = {}
-            grad_norm = torch.zeros(())
-            for _ in range(cfg.train.grad_accum):
-                if self.batch_index >= len(epoch_batches):
-                    self.epoch, self.batch_index = self.epoch + 1, 0
-                    epoch_batches = self.batches.epoch(self.epoch)
-                indices = epoch_batches[self.batch_index]
-                self.batch_index += 1
-                batch = {k: v.to(self.device) for k, v in
-                         collate([self.dataset[i] for i in indices], self.pad_id).items()}
-                with self.accelerator.accumulate(self.model):
-                    loss, metrics = self.forward_loss(batch, spec)
-                    if not torch.isfinite(loss):
-                        raise VatError(f"non-finite Window Pool loss at step {self.step + 1} (epoch {self.epoch}, "
-                                       f"batch {self.batch_index - 1})")
-                    self.accelerator.backward(loss)
-                    if self.accelerator.sync_gradients:
-                        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.train.grad_clip)
-                    self.optimizer.step()
-                    if self.accelerator.sync_gradients:
-                        self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0) + value.float().cpu()
-            self.step += 1
-            self.tokens_seen += float(sums["tokens"])
-            record = self._record(sums, spec, float(grad_norm), time.time() - wall_start,
-                                  time.process_time() - cpu_start)
-            last = record
-            if self.is_main and (self.step % cfg.train.log_every == 0 or self.step == self.total_steps):
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                bar.set_postfix(nll=f"{record['lm_loss']:.3f}", W=record["window"], d=record["pool"])
-            bar.update(1)
-            if cfg.train.save_every and self.step % cfg.train.save_every == 0 and self.step < self.total_steps:
-                self.save_checkpoint(time.process_time() - cpu_start)
-            if stop_after is not None and self.step >= stop_after:
-                break
-        bar.close()
-        if stop_after is None or self.step >= self.total_steps:
-            self.save_final(last, time.process_time() - cpu_start)
-        return last
+    # ---- the loop's hooks (vat.train.loop) --------------------------------------------------------------------------
+    def trained_module(self) -> torch.nn.Module:
+        return self.model
 
-    def _record(self, sums: dict[str, torch.Tensor], spec, grad_norm: float, wall: float, cpu: float) -> dict:
+    def step_context(self, step: int):
+        return draw_constraint(self.cfg.window_pool, self.cfg.seed, step)  # the step's windows / pools, or None
+
+    def keep_micro_batch(self, loss: torch.Tensor, indices: list[int]) -> bool:
+        if not torch.isfinite(loss):
+            raise VatError(f"non-finite Window Pool loss at step {self.step + 1} (epoch {self.position.epoch}, "
+                           f"batch {self.position.batch_index - 1})")
+        return True
+
+    def clip_gradients(self) -> dict[str, torch.Tensor]:
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return {"grad_norm": torch.nn.utils.clip_grad_norm_(trainable, self.cfg.train.grad_clip)}
+
+    def on_run_start(self) -> None:
+        self.cpu_start, self.wall_start = time.process_time(), time.time()
+
+    def writes_record(self, step: int) -> bool:
+        return step % self.cfg.train.log_every == 0 or step == self.total_steps
+
+    def on_record(self, record: dict, bar) -> None:
+        bar.set_postfix(nll=f"{record['lm_loss']:.3f}", W=record["window"], d=record["pool"])
+
+    def step_record(self, sums: dict[str, torch.Tensor], losses: list[torch.Tensor], spec) -> dict:
+        """Every step's record (sums reduced across processes); metrics.jsonl gets every ``train.log_every``-th."""
+        self.tokens_seen += float(sums["tokens"])
+        return self._record(sums, spec, time.time() - self.wall_start, time.process_time() - self.cpu_start)
+
+    def _record(self, sums: dict[str, torch.Tensor], spec, wall: float, cpu: float) -> dict:
         sums = {k: self.accelerator.reduce(torch.as_tensor(v, device=self.device).float(), reduction="sum").cpu()
                 for k, v in sorted(sums.items())}
         micro = float(sums["micro"])
@@ -293,11 +261,12 @@ class WindowPoolTrainer:
             "constrained": spec is not None,
             "window": spec.window if spec is not None else None,
             "pool": (next(iter(spec.B.values())) if isinstance(spec.B, dict) else spec.B) if spec is not None else None,
-            "grad_norm": grad_norm,
+            # identical on every rank after the all-reduce of gradients
+            "grad_norm": float(sums["grad_norm"]) / self.accelerator.num_processes,
             "lr": float(self.scheduler.get_last_lr()[0]),
             "tokens": float(sums["tokens"]),
             "tokens_seen": self.tokens_seen,
-            "epoch": self.epoch,
+            "epoch": self.position.epoch,
             "wall_seconds": round(wall, 2),
             "cpu_seconds": round(self.cpu_seconds_before + cpu, 2),
         }
@@ -312,7 +281,7 @@ class WindowPoolTrainer:
         model = self.accelerator.unwrap_model(self.model)
         return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
 
-    def save_checkpoint(self, cpu_seconds: float) -> str | None:
+    def save_checkpoint(self) -> str | None:
         """Rank 0 writes ``checkpoints/step_N``: trainable weights, optimizer, scheduler, RNG, data position."""
         self.accelerator.wait_for_everyone()
         if not self.is_main:
@@ -320,10 +289,10 @@ class WindowPoolTrainer:
 
         def fill(tmp: str) -> None:
             torch.save({
-                "step": self.step, "position": (self.epoch, self.batch_index), "trainable": self._trainable_state(),
+                "step": self.step, "position": (self.position.epoch, self.position.batch_index), "trainable": self._trainable_state(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "rng": rng_state(), "tokens_seen": self.tokens_seen,
-                "cpu_seconds": self.cpu_seconds_before + cpu_seconds,
+                "cpu_seconds": self.cpu_seconds_before + time.process_time() - self.cpu_start,
             }, os.path.join(tmp, STATE_FILE))
             with open(os.path.join(tmp, "config.yaml"), "w") as f:
                 f.write(to_yaml(self.cfg))
@@ -346,13 +315,13 @@ class WindowPoolTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
-        self.epoch, self.batch_index = state["position"]
+        self.position = DataPosition(*state["position"])
         self.tokens_seen = float(state["tokens_seen"])
         self.cpu_seconds_before = float(state.get("cpu_seconds", 0.0))
         if self.is_main:
             print(f"[vat] resumed from {directory} at step {self.step}")
 
-    def save_final(self, last: dict[str, Any], cpu_seconds: float) -> str | None:
+    def save_final(self, last: dict[str, Any]) -> str | None:
         """Write ``output_dir/final``: the target (adapters merged) + its tokenizer + ``window_pool.json``."""
         self.accelerator.wait_for_everyone()
         if not self.is_main:
@@ -368,7 +337,7 @@ class WindowPoolTrainer:
         summary = {
             "base_target": self.target.path or self.cfg.target.path,
             "steps": self.step, "tokens_seen": self.tokens_seen,
-            "cpu_seconds": round(self.cpu_seconds_before + cpu_seconds, 1),
+            "cpu_seconds": round(self.cpu_seconds_before + time.process_time() - self.cpu_start, 1),
             "trainable": self.trainable, "aux_loss_coef": self.aux_coef, "last": last,
             "window_pool": json.loads(json.dumps(dict(_plain(self.cfg.window_pool)))),
             "data": self.cfg.data.train,
