@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from vat.config import DEFAULT_BUDGET_POLICY, TRAINING_BUDGET_POLICIES
 from vat.errors import VatError
 
 BENCHMARK_HELP = "Spec-Bench/MT-Bench question file (FastChat jsonl), a known name (spec_bench, mt_bench, humaneval, gsm8k, alpaca) or a datasets hub name"
@@ -124,7 +125,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--benchmark", default=None, help=BENCHMARK_HELP + " (required unless --perplexity-grid)")
     p.add_argument("--window", type=int, default=8, help="window length W (the verification block, K+1)")
     p.add_argument("--budget", default=None, help="expert budget B per layer (int, or comma list per MoE layer)")
-    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate", "truncate_cover"])
+    p.add_argument("--policy", default=DEFAULT_BUDGET_POLICY, choices=TRAINING_BUDGET_POLICIES)
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
     p.add_argument("--max-length", type=int, default=512, help="truncate prompts to this many tokens")
     p.add_argument("--output", required=True, help="output directory")
@@ -188,7 +189,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--budget", default=None, help="comma list of budgets, `none` = natural routing: none,8,4; `auto` = "
                    "AcceptMoE's self-sized set (default: none; auto with --policy acceptmoe)")
-    p.add_argument("--policy", default="substitute", choices=["substitute", "truncate", "truncate_cover", "acceptmoe"],
+    p.add_argument("--policy", default=DEFAULT_BUDGET_POLICY, choices=[*TRAINING_BUDGET_POLICIES, "acceptmoe"],
                    help="budget policy: substitute / truncate = MoE-Spec (top-B experts by summed router score; truncate "
                    "gives out-of-set experts zero weight, as the paper; truncate_cover rescales and substitutes "
                    "tokens left without experts); "

@@ -24,6 +24,11 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 from vat.errors import VatError
 from vat.paths import resolve_recipe
 
+# expert-budget policies (vat.target.budget applies them): what a recipe's budget.policy takes, and the default of
+# every place that takes a policy (training, vat eval, vat profile, bench, Window Pool); acceptmoe is eval only
+TRAINING_BUDGET_POLICIES = ("substitute", "truncate", "truncate_cover")
+DEFAULT_BUDGET_POLICY = "substitute"
+
 
 @dataclass
 class TargetConfig:
@@ -94,7 +99,7 @@ class LossConfig:
 @dataclass
 class BudgetConfig:
     B: Any = None  # expert budget per layer: int, list (per MoE layer) or {layer: B}; null = no budget
-    policy: str = "substitute"  # substitute | truncate (MoE-Spec) | truncate_cover
+    policy: str = DEFAULT_BUDGET_POLICY  # substitute | truncate (MoE-Spec) | truncate_cover
     window: Optional[int] = None  # window length; null = ttt_steps + 1 (the verification block)
     align: str = "response"  # response: windows restart at each response segment, random phase per row and step |
     # offset: one random offset per step over absolute positions (the old tiling; always with scope batch)
@@ -347,7 +352,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss.acceptance": ("greedy", "expected", "sampled"),
     "loss.union_norm": ("grad_ratio", "none"),
     "drafter.vh_input": ("normed", "prenorm"),
-    "budget.policy": ("substitute", "truncate", "truncate_cover"),  # vat.target.budget.TRAINING_POLICIES (acceptmoe: vat eval only)
+    "budget.policy": TRAINING_BUDGET_POLICIES,
     "budget.scope": ("sequence", "batch"),
     "budget.align": ("response", "offset"),
     "train.scheduler": ("cosine", "constant"),

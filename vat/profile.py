@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from vat.config import DEFAULT_BUDGET_POLICY
 from vat.errors import VatError
 from vat.eval.benchmarks import load_benchmark
 from vat.eval.cost import CostModel, get_accelerator, target_shape
@@ -41,7 +42,7 @@ def parse_budget(text: str | None) -> int | list[int] | None:
     return values[0] if len(values) == 1 else values
 
 
-def profile_target(target, prompts_ids: list[list[int]], window: int, budget=None, policy: str = "substitute",
+def profile_target(target, prompts_ids: list[list[int]], window: int, budget=None, policy: str = DEFAULT_BUDGET_POLICY,
                    progress: bool = True) -> dict:
     """Measure expert unions per window (natural and budgeted) over token sequences.
 

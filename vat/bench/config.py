@@ -16,7 +16,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from vat.config import _all_keys, _check_keys, closest_hint, load_yaml_mapping
+from vat.config import DEFAULT_BUDGET_POLICY, _all_keys, _check_keys, closest_hint, load_yaml_mapping
 from vat.errors import VatError
 from vat.eval.cost import get_accelerator
 from vat.eval.free_drafts import DEFAULT_GRID, GRID_NAME, expand_baselines, parse_free_draft
@@ -66,7 +66,7 @@ class BenchEvalConfig:
     tree: Optional[str] = None  # dynamic tree "top_k,depth,total_tokens"; null = chain of `steps`
     tree_policy: str = "confidence"  # confidence | evict (| ecospec): which drafted tokens are verified
     verify_cost: Optional[str] = None  # EVICT's verification-cost profile; null = profiled on the fly
-    policy: str = "substitute"  # budget policy
+    policy: str = DEFAULT_BUDGET_POLICY  # budget policy
     vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
     cost_model: Optional[str] = None  # roofline accelerator: adds modeled tokens/s and speed-up over AR (vat eval)
 

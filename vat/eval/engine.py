@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vat.config import DEFAULT_BUDGET_POLICY
 from vat.drafters.dflash import DFlashDrafter
 from vat.drafters.eagle3 import Eagle3Drafter
 from vat.errors import VatError
@@ -134,7 +135,7 @@ class SpeculativeEngine:
         tree: TreeSpec | None = None,
         temperature: float = 0.0,
         budget=None,
-        policy: str = "substitute",
+        policy: str = DEFAULT_BUDGET_POLICY,
         vh_threshold: float | None = None,
         evict=None,
         ecospec=None,

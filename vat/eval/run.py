@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from vat.config import DEFAULT_BUDGET_POLICY
 from vat.drafters.dflash import DFlashDrafter, check_dflash_matches_target
 from vat.drafters.eagle3 import Eagle3Drafter, check_draft_matches_target
 from vat.errors import VatError
@@ -308,7 +309,7 @@ def run_eval(
     tree: str | TreeSpec | None = None,
     temperature: float = 0.0,
     budgets: str | list[int | None] = NO_BUDGET,
-    policy: str = "substitute",
+    policy: str = DEFAULT_BUDGET_POLICY,
     vh_threshold: float | None = None,
     tree_policy: str = "confidence",
     verify_cost: str | None = None,

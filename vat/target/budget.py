@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
+from vat.config import DEFAULT_BUDGET_POLICY, TRAINING_BUDGET_POLICIES
 from vat.errors import VatError
 from vat.target.families import FamilyAdapter
 
-TRAINING_POLICIES = ("substitute", "truncate", "truncate_cover")  # the policies `budget.policy` of a recipe takes
+TRAINING_POLICIES = TRAINING_BUDGET_POLICIES  # the policies `budget.policy` of a recipe takes
 POLICIES = TRAINING_POLICIES + ("acceptmoe",)  # + AcceptMoE: eval only (its commitment estimate comes from a draft's eval)
 SCOPES = ("sequence", "batch")
 AUTO = "auto"  # B of a self-sized policy (acceptmoe): the policy picks |S| per window and layer
@@ -105,7 +106,7 @@ class BudgetSpec:
     """
 
     B: Any
-    policy: str = "substitute"
+    policy: str = DEFAULT_BUDGET_POLICY
     window: int | None = None
     offset: int = 0
     scope: str = "sequence"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from vat.config import DEFAULT_BUDGET_POLICY
 from vat.errors import VatError
 from vat.eval.quality import kl_divergence
 from vat.target import BudgetSpec, contiguous_windows, load_target, window_union
@@ -37,7 +38,7 @@ class Cell:
     window: int | None
     experts: int | None
 
-    def spec(self, policy: str = "substitute") -> BudgetSpec | None:
+    def spec(self, policy: str = DEFAULT_BUDGET_POLICY) -> BudgetSpec | None:
         if self.experts is None:
             return None
         return BudgetSpec(B=self.experts, policy=policy, window=self.window)
@@ -57,7 +58,7 @@ def grid_cells(windows: list[int], pools: list[int], budgets: list[int], verify_
     return cells
 
 
-def evaluate_target(target, rows, cells: list[Cell], batch_size: int = 8, policy: str = "substitute",
+def evaluate_target(target, rows, cells: list[Cell], batch_size: int = 8, policy: str = DEFAULT_BUDGET_POLICY,
                     progress: bool = True) -> dict[str, dict]:
     """Perplexity and agreement of one target in every cell.
 
@@ -131,7 +132,7 @@ def evaluate_target(target, rows, cells: list[Cell], batch_size: int = 8, policy
 
 def run_grid(targets: dict[str, str], data: str, windows: list[int], pools: list[int], budgets: list[int],
              verify_window: int, limit: int | None, max_length: int, batch_size: int, load_kwargs: dict,
-             policy: str = "substitute", progress: bool = True) -> dict:
+             policy: str = DEFAULT_BUDGET_POLICY, progress: bool = True) -> dict:
     """Every target over the same held-out sequences and cells; the ``perplexity_grid.json`` dict."""
     cells = grid_cells(windows, pools, budgets, verify_window)
     out: dict = {"data": data, "limit": limit, "max_length": max_length, "policy": policy, "windows": windows,

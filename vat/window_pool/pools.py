@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vat.config import DEFAULT_BUDGET_POLICY
 from vat.errors import VatError
 from vat.target.budget import BudgetSpec
 
@@ -53,7 +54,7 @@ def draw_constraint(wp: Any, seed: int, step: int) -> BudgetSpec | None:
     window = rng.randint(int(wp.windows[0]), int(wp.windows[1]))
     pool = rng.randint(int(wp.pools[0]), int(wp.pools[1]))
     budget: Any = pool if wp.layers is None else {int(layer): pool for layer in wp.layers}
-    return BudgetSpec(B=budget, policy="substitute", window=window, offset=rng.randrange(window))
+    return BudgetSpec(B=budget, policy=DEFAULT_BUDGET_POLICY, window=window, offset=rng.randrange(window))
 
 
 def pool_mass(pools: dict[int, tuple[torch.Tensor, torch.Tensor]], member: torch.Tensor,
