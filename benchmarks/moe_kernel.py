@@ -191,6 +191,7 @@ def graph_timer(fn: Callable[[], object], timer) -> float | None:
 def bench_one(module, x, ids, weights, timer, graphs: bool) -> dict:
     """Time one routing through the kernel and through the HF module's eager and grouped_mm forwards."""
     import torch
+
     from vat.kernels.fused_moe import fused_experts, record_experts_read
 
     run_triton = functools.partial(fused_experts, x, module.gate_up_proj, module.down_proj, ids, weights)
@@ -224,6 +225,7 @@ def _us(t: float | None) -> float | None:
 
 def bench(args: argparse.Namespace) -> list[dict]:
     import torch
+
     from vat.kernels.fused_moe import expert_bytes
 
     device = torch.device("cuda" if not args.cpu_smoke else "cpu")

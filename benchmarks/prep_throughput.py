@@ -34,6 +34,7 @@ def quick_tokenizer(sharegpt: str, n_train: int = 2000, vocab_size: int = 8000):
     """A byte-level BPE with ChatML special tokens, trained on the first ``n_train`` conversations."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     from vat.data_prep.readers import iter_records
 
     def texts():
@@ -84,6 +85,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
+
     from vat.data_prep.chat import prepare_chat
     from vat.data_prep.templates import mask_method
 

@@ -64,7 +64,6 @@ def write_input(path: str, n: int, max_turns: int) -> None:
     """The first ``n`` usable ShareGPT conversations, cut after ``max_turns`` assistant turns (0 = all)."""
     from vat.data_prep.chat import normalize_record
     from vat.data_prep.readers import iter_records
-
     from vat.paths import sharegpt_path
 
     written = 0
@@ -126,6 +125,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
+
     from vat.data_prep import regen as new_regen
 
     if args.threads:

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, replace
 
 import torch
+
 from vat.data_prep import tiny_target as tt
 from vat.data_prep.tiny_pretrain import param_groups
 

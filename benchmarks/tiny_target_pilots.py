@@ -26,10 +26,10 @@ from dataclasses import replace
 
 import torch
 from tiny_build_throughput import time_candidate
+
 from vat.data_prep import tiny_target as tt
 from vat.data_prep.code_chats import CODE_INSTRUCTION
 from vat.data_prep.tiny_pretrain import pretrain
-
 from vat.eval.target_quality import write_quality
 
 PILOTS = {

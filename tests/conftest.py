@@ -56,6 +56,7 @@ def one_thread():
 def train_workspace(tmp_path_factory):
     """A saved tiny OLMoE target and a prepared chat dataset built with its tokenizer (`vat train` tests)."""
     from tiny_models import save_tiny_target
+
     from vat.data_prep.chat import prepare_chat
 
     root = tmp_path_factory.mktemp("train")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import olmoe_with_eagle3_drafts
 from tiny_models import cached_greedy_reference
-from vat.data_prep.affinity import affinity_from_routing
 
+from vat.data_prep.affinity import affinity_from_routing
 from vat.errors import VatError
 from vat.eval.ecospec import EcoSpec, ExpertPredictor, ecospec_nodes
 from vat.eval.engine import SpeculativeEngine

@@ -64,6 +64,7 @@ def test_acceptmoe_runs_are_keyed_auto_with_quality(quick, spec_bench_file, tmp_
 
 def test_ecospec_eval_decodes_the_ar_output(quick, spec_bench_file, tmp_path):
     from safetensors.torch import save_file
+
     from vat.data_prep.affinity import affinity_from_routing
 
     path, target, draft = quick

@@ -61,8 +61,8 @@ def target():
     """(path, HF model, vat FrozenTarget) of the quick tiny target (built into $VAT_HOME on first use)."""
     _speculators()
     from transformers import AutoModelForCausalLM
-    from vat.data_prep.tiny_target import ensure_tiny_target
 
+    from vat.data_prep.tiny_target import ensure_tiny_target
     from vat.target.model import load_target
 
     path = ensure_tiny_target("quick")

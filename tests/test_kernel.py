@@ -12,13 +12,13 @@ from tiny_models import FAMILIES, tiny_model
 from transformers import OlmoeConfig, Qwen3MoeConfig
 from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from vat.errors import VatError
 from vat.kernels.align import align_block_size, align_block_size_reference, max_blocks_bound
 from vat.kernels.fused_moe import INTERPRETED, KernelConfig, expert_bytes, fused_experts, record_experts_read
 from vat.kernels.layout import ExpertsLayout
 from vat.kernels.reference import fused_experts_reference
 from vat.kernels.registry import check_triton_experts_supported, register_triton_experts
-
-from vat.errors import VatError
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Local routing helpers (the real budget policies live in vat/target; these state the rules the kernel must honour).

@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
+
 from vat.kernels.fused_moe import KernelConfig, fused_experts, record_experts_read
 from vat.kernels.reference import fused_experts_reference
 from vat.kernels.registry import experts_layout
-
 from vat.target.budget import BudgetSpec, apply_budget, window_groups
 from vat.target.families import adapter_for
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vat.kernels.fused_moe import INTERPRETED, KernelConfig, fused_experts, record_experts_read
-from vat.kernels.reference import fused_experts_reference
 
 from vat.errors import VatError
+from vat.kernels.fused_moe import INTERPRETED, KernelConfig, fused_experts, record_experts_read
+from vat.kernels.reference import fused_experts_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -190,6 +190,7 @@ def assert_experts_match_eager(model, name: str, input_ids: torch.Tensor) -> Non
 def test_tiny_model_split_across_two_gpus_matches_eager():
     accelerate = pytest.importorskip("accelerate")
     from tiny_models import tiny_model
+
     from vat.kernels.registry import register_triton_experts
 
     name = register_triton_experts()
@@ -203,6 +204,7 @@ def test_tiny_model_split_across_two_gpus_matches_eager():
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_tiny_model_on_gpu_matches_eager(family):
     from tiny_models import tiny_model
+
     from vat.kernels.registry import register_triton_experts
 
     name = register_triton_experts()

@@ -8,13 +8,13 @@ import torch
 from helpers import build_small_tokenizer
 from safetensors import safe_open
 from tiny_models import tiny_model
-from vat.data_prep.affinity import affinity_from_routing, routing_counts
-from vat.data_prep.affinity import main as affinity_main
-from vat.data_prep.vocab import build_draft_vocab, draft_to_target_ids, save_draft_vocab, target_to_draft_ids
 
 from vat.affinity import OnlineAffinity
 from vat.cli import build_parser
 from vat.cli import main as vat_main
+from vat.data_prep.affinity import affinity_from_routing, routing_counts
+from vat.data_prep.affinity import main as affinity_main
+from vat.data_prep.vocab import build_draft_vocab, draft_to_target_ids, save_draft_vocab, target_to_draft_ids
 from vat.errors import VatError
 from vat.target import load_target
 

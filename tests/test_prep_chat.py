@@ -8,11 +8,11 @@ import json
 import datasets
 import pytest
 from helpers import CHATML, CHATML_GENERATION, LLAMA3, QWEN3, build_tokenizer
+
+from vat.cli import main as vat_main
 from vat.data_prep.chat import SKIP_REASONS, normalize_record, prepare_chat
 from vat.data_prep.readers import ReadStats, iter_records
 from vat.data_prep.templates import DIFF_METHOD, MARKER_METHOD, encode_conversations, mask_method
-
-from vat.cli import main as vat_main
 
 CONV = [
     {"role": "system", "content": "Be brief."},

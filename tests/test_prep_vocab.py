@@ -7,6 +7,8 @@ import json
 import datasets
 import pytest
 import torch
+
+from vat.cli import main as vat_main
 from vat.data_prep.vocab import (
     build_draft_vocab,
     count_tokens,
@@ -16,8 +18,6 @@ from vat.data_prep.vocab import (
     save_draft_vocab,
     target_to_draft_ids,
 )
-
-from vat.cli import main as vat_main
 from vat.errors import VatError
 
 

@@ -15,11 +15,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+
+from vat.cli import main as cli_main
 from vat.data_prep import tiny_target as tt
 from vat.data_prep.tiny_pretrain import STATE_FILE, lr_multiplier
 from vat.data_prep.tokenizer_train import ENDOFTEXT, IM_END, IM_START, MASK, PAD, SPECIAL_TOKENS, train_tokenizer
-
-from vat.cli import main as cli_main
 from vat.errors import VatError
 from vat.paths import sharegpt_path, tiny_cache_name, tiny_seed, tiny_target_dir, vat_home
 from vat.target.model import resolve_target_path
