@@ -21,7 +21,7 @@ def run(grads_dir: str, overrides: list[str]) -> None:
     os.makedirs(grads_dir, exist_ok=True)
     trainer = Trainer(load_config(None, overrides))
     trainer.setup()
-    clip = trainer._clip_gradients
+    clip = trainer.clip_gradients
 
     def recording_clip():
         if trainer.is_main:
@@ -30,16 +30,16 @@ def run(grads_dir: str, overrides: list[str]) -> None:
             torch.save(grads, os.path.join(grads_dir, f"step{trainer.step + 1}.pt"))  # step counts after the loop
         return clip()
 
-    trainer._clip_gradients = recording_clip
+    trainer.clip_gradients = recording_clip
     nan_rank, nan_step = (int(v) for v in os.environ.get("VAT_PROBE_NAN", "-1,-1").split(","))
     if trainer.accelerator.process_index == nan_rank:  # this rank alone sees a NaN loss at step nan_step
-        forward = trainer._forward_loss
+        forward = trainer.forward_loss
 
         def nan_forward(batch, budget):
             loss, metrics = forward(batch, budget)
             return (loss * float("nan") if trainer.step + 1 == nan_step else loss), metrics
 
-        trainer._forward_loss = nan_forward
+        trainer.forward_loss = nan_forward
     try:
         trainer.run()
     finally:

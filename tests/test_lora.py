@@ -51,7 +51,7 @@ def test_lora_gradients_reach_only_adapters_vh_and_fc_when_asked(train_workspace
     trainer.setup()
     try:
         drafter = trainer.accelerator.unwrap_model(trainer.drafter)
-        loss, _ = trainer._forward_loss(_first_batch(trainer), None)
+        loss, _ = trainer.forward_loss(_first_batch(trainer), None)
         trainer.accelerator.backward(loss)
         expected = {n for n, _ in drafter.named_parameters()
                     if ".lora_" in n or n.startswith("verification_head.") or (train_fc and n.startswith("fc."))}

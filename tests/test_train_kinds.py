@@ -23,9 +23,9 @@ class OneStepKind(Eagle3Kind):
     def num_slots(self, cfg, draft_config) -> int:
         return 1
 
-    def training_slots(self, drafter, cfg, batch, tout, dist, num_experts, num_slots, anchor_seed, autocast):
+    def training_slots(self, drafter, draft_config, cfg, batch, tout, dist, num_experts, anchor_seed, autocast):
         OneStepKind.calls += 1
-        return super().training_slots(drafter, cfg, batch, tout, dist, num_experts, num_slots, anchor_seed, autocast)
+        return super().training_slots(drafter, draft_config, cfg, batch, tout, dist, num_experts, anchor_seed, autocast)
 
 
 def test_unknown_kind_stops_with_the_closest_before_loading(train_workspace, tmp_path):

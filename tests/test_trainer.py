@@ -250,7 +250,7 @@ def test_budgeted_training_folds_natural_routing_into_the_affinity_table(train_w
 
         def fold(step_budget):
             trainer.affinity.load_state_dict(copy.deepcopy(start))
-            trainer._forward_loss(batch, step_budget)
+            trainer.forward_loss(batch, step_budget)
             trainer._fold_affinity()
             return trainer.affinity.table().clone()
 

@@ -40,6 +40,7 @@ class TrainLoop:
     def __init__(self) -> None:
         self.step = 0
         self.position = DataPosition()
+        self._batches_of_epoch: tuple[int, list[list[int]]] | None = None  # (epoch, its batches)
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
     def trained_module(self) -> torch.nn.Module:
@@ -103,10 +104,9 @@ class TrainLoop:
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         """The epoch's batches (dataset row indices), computed once per epoch."""
-        cached = getattr(self, "_batches_of_epoch", None)
-        if cached is None or cached[0] != epoch:
-            cached = self._batches_of_epoch = (epoch, self.batches.epoch(epoch))
-        return cached[1]
+        if self._batches_of_epoch is None or self._batches_of_epoch[0] != epoch:
+            self._batches_of_epoch = (epoch, self.batches.epoch(epoch))
+        return self._batches_of_epoch[1]
 
     def step_scheduler(self) -> None:
         """One scheduler step per optimizer step that ran (not per micro-batch, process or skipped fp16 step)."""

@@ -294,8 +294,8 @@ class Trainer(TrainLoop):
         (docs/vat_losses.md). Sampled anchors are seeded by the global data position (not the global RNG, not the
         rank): a resumed run, and a run at another world size, draws the same."""
         anchor_seed = self.cfg.seed * 1_000_003 + 7919 * self.position.epoch + self._global_batch_index() + 1
-        return self.kind.training_slots(self.drafter, self.cfg, batch, tout, dist, self.target.num_experts, self.K,
-                                        anchor_seed, self.accelerator.autocast)
+        return self.kind.training_slots(self.drafter, self.draft_config, self.cfg, batch, tout, dist,
+                                        self.target.num_experts, anchor_seed, self.accelerator.autocast)
 
     def _target_forward(self, batch: dict[str, torch.Tensor], budget):
         """The step's one target forward. Under a budget only the response (loss-masked) positions are budgeted:
@@ -326,7 +326,7 @@ class Trainer(TrainLoop):
         world size (one process with grad_accum = world sees the same batches in the same order)."""
         return (self.position.batch_index - 1) * self.accelerator.num_processes + self.accelerator.process_index
 
-    def _forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         input_ids, attention = batch["input_ids"], batch["attention_mask"]
         tout = self._target_forward(batch, budget)
         dist = target_dist(tout.logits, self.draft_to_target)  # fields (B, T, ·)
@@ -405,18 +405,12 @@ class Trainer(TrainLoop):
     def step_context(self, step: int):
         return self._budget_for_step(step)
 
-    def forward_loss(self, batch: dict[str, torch.Tensor], context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self._forward_loss(batch, context)
-
     def keep_micro_batch(self, loss: torch.Tensor, indices: list[int]) -> bool:
         if not self._all_ranks_finite(loss):  # skipped by every rank together, or none: no hang
             self._nonfinite(indices)
             return False
         self.nonfinite_streak = 0
         return True
-
-    def clip_gradients(self) -> dict[str, torch.Tensor]:
-        return self._clip_gradients()
 
     def after_step(self) -> None:
         self._fold_affinity()
@@ -443,7 +437,7 @@ class Trainer(TrainLoop):
         bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_sim']:.2f}",
                         tok_s=f"{record['tokens_per_s']:.0f}")
 
-    def _clip_gradients(self) -> dict[str, torch.Tensor]:
+    def clip_gradients(self) -> dict[str, torch.Tensor]:
         """Clip the body and the verification head each to its own norm; return both pre-clip norms."""
         self.accelerator.unscale_gradients()  # once: a no-op unless fp16 with a grad scaler
         clip = torch.nn.utils.clip_grad_norm_

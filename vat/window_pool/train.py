@@ -167,8 +167,8 @@ class WindowPoolTrainer(TrainLoop):
 
     def _setup_optimizer(self) -> None:
         cfg = self.cfg
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+        self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]  # what is clipped each step
+        self.optimizer = torch.optim.AdamW(self.trainable_params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                            weight_decay=cfg.train.weight_decay)
         steps_per_epoch = max(self.batches_per_epoch // cfg.train.grad_accum, 1)
         self.total_steps = int(cfg.train.max_steps or steps_per_epoch * cfg.train.epochs)
@@ -233,8 +233,7 @@ class WindowPoolTrainer(TrainLoop):
         return True
 
     def clip_gradients(self) -> dict[str, torch.Tensor]:
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        return {"grad_norm": torch.nn.utils.clip_grad_norm_(trainable, self.cfg.train.grad_clip)}
+        return {"grad_norm": torch.nn.utils.clip_grad_norm_(self.trainable_params, self.cfg.train.grad_clip)}
 
     def on_run_start(self) -> None:
         self.cpu_start, self.wall_start = time.process_time(), time.time()

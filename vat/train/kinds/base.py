@@ -46,9 +46,10 @@ class DrafterKind:
         """Draft positions per anchor in the (B, anchors, K) slot layout: K."""
         raise NotImplementedError
 
-    def training_slots(self, drafter: Any, cfg: Any, batch: dict[str, torch.Tensor], tout: Any, dist: Any,
-                       num_experts: int, num_slots: int, anchor_seed: int, autocast: Any) -> Any:
-        """The draft's training forward on a batch in the :mod:`vat.slots` layout. ``anchor_seed`` seeds any
+    def training_slots(self, drafter: Any, draft_config: Any, cfg: Any, batch: dict[str, torch.Tensor], tout: Any,
+                       dist: Any, num_experts: int, anchor_seed: int, autocast: Any) -> Any:
+        """The draft's training forward on a batch in the :mod:`vat.slots` layout. ``drafter`` is the module to call
+        (wrapped by accelerate under DDP / FSDP: read its settings from ``draft_config``). ``anchor_seed`` seeds any
         sampling of anchors (the global data position: the same on resume and at any world size); ``autocast`` is
         the accelerator's autocast context factory."""
         raise NotImplementedError

@@ -65,10 +65,10 @@ class DFlashKind(DrafterKind):
     def num_slots(self, cfg: Any, draft_config: Any) -> int:
         return int(draft_config.num_slots)
 
-    def training_slots(self, drafter: Any, cfg: Any, batch: dict[str, torch.Tensor], tout: Any, dist: Any,
-                       num_experts: int, num_slots: int, anchor_seed: int, autocast: Any) -> Any:
+    def training_slots(self, drafter: Any, draft_config: Any, cfg: Any, batch: dict[str, torch.Tensor], tout: Any,
+                       dist: Any, num_experts: int, anchor_seed: int, autocast: Any) -> Any:
         gen = torch.Generator().manual_seed(anchor_seed)
-        anchors = sample_block_anchors(batch["loss_mask"], batch["attention_mask"], drafter.config.block_size,
+        anchors = sample_block_anchors(batch["loss_mask"], batch["attention_mask"], draft_config.block_size,
                                        cfg.drafter.num_anchors, gen)  # (B, N)
         with autocast():
             out = drafter(tout.aux_hidden, batch["input_ids"], anchors, batch["attention_mask"],

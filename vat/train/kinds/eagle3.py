@@ -58,8 +58,9 @@ class Eagle3Kind(DrafterKind):
     def num_slots(self, cfg: Any, draft_config: Any) -> int:
         return int(cfg.drafter.ttt_steps)
 
-    def training_slots(self, drafter: Any, cfg: Any, batch: dict[str, torch.Tensor], tout: Any, dist: Any,
-                       num_experts: int, num_slots: int, anchor_seed: int, autocast: Any) -> Any:
+    def training_slots(self, drafter: Any, draft_config: Any, cfg: Any, batch: dict[str, torch.Tensor], tout: Any,
+                       dist: Any, num_experts: int, anchor_seed: int, autocast: Any) -> Any:
+        num_slots = self.num_slots(cfg, draft_config)
         with autocast():
             out = drafter(tout.aux_hidden, batch["input_ids"], batch["attention_mask"], ttt_steps=num_slots,
                           vh_detach=cfg.loss.vh_detach)
