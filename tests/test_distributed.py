@@ -308,3 +308,14 @@ def test_a_nan_on_one_rank_is_skipped_by_both_without_a_hang(train_workspace, tm
     assert done.returncode == 0, done.stderr[-4000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 3, 4] and records[-1]["nonfinite_skipped"] == 1
+
+
+def test_two_process_dflash_training_runs_through_the_wrapped_drafter(train_workspace, tmp_path):
+    """DFlash under 2 processes: the drafter the step calls is accelerate's DDP wrapper, so the kind must read its
+    settings (the block size its anchors are drawn for) from the draft's config, not from the module it calls."""
+    out = str(tmp_path / "dflash")
+    _torchrun(2, str(tmp_path / "g"), [*train_overrides(train_workspace, out), "method=dflash_vat",
+                                       "drafter.block_size=4", "drafter.num_layers=1", "drafter.mask_token_id=3",
+                                       "train.max_steps=2", "train.save_every=0"])
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2] and "acc_2" in records[-1] and "acc_3" not in records[-1]
