@@ -27,7 +27,7 @@ PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_probe.py"
 COMMON = ("method=vat", "loss.union_weight=0.1", "loss.union_max_anchors=8", "drafter.ttt_steps=3",
           "train.max_steps=4", "train.save_every=2", "train.warmup_ratio=0.5", "train.keep_last=0")
 COMPARED = ("loss", "tau_sim", "acc_0", "cond_acc_2", "vh_bce", "vh_auc", "union_sim", "grad_norm", "vh_grad_norm",
-            "tokens")
+            "tokens", "union_scale")
 
 
 def _torchrun(nproc: int, grads: str, overrides: list[str]) -> None:
@@ -105,6 +105,8 @@ def test_two_process_loss_and_gradient_equal_one_process_on_the_same_global_batc
     for a, b in zip(two, one):
         for key in COMPARED:
             _same(a, b, key)
+    # the union's scale is summed over both ranks' micro-batches: it pulls from step 3 (step 2 measured) on both
+    assert one[1]["union_scale"] == 0.0 and one[2]["union_scale"] > 0 and one[3]["union_scale"] > 0
     for step in (1, 2, 3, 4):  # the gradient the optimizer steps (after DDP's all-reduce / after accumulation)
         g2, g1 = _grads(runs, "two", step), _grads(runs, "one", step)
         assert set(g2) == set(g1) and len(g1) > 5

@@ -32,7 +32,8 @@ def test_train_writes_metrics_checkpoints_and_final(train_workspace, tmp_path):
 
 def test_resume_after_kill_continues_to_the_same_numbers(train_workspace, tmp_path):
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    vat = ("method=vat", "loss.union_weight=0.1", "drafter.ttt_steps=4", "train.max_steps=5")
+    vat = ("method=vat", "loss.union_weight=0.1", "loss.union_scale_warmup=2", "drafter.ttt_steps=4",
+           "train.max_steps=5")
     train_main(train_config(train_workspace, full, *vat))
     train_main(train_config(train_workspace, killed, *vat, "train.stop_after=3"))
     assert [r["step"] for r in read_metrics(killed)] == [1, 2, 3]
@@ -41,8 +42,13 @@ def test_resume_after_kill_continues_to_the_same_numbers(train_workspace, tmp_pa
     a, b = read_metrics(full), read_metrics(killed)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
     for ra, rb in zip(a, b):
-        for key in ("loss", "tau_sim", "acc_0", "cond_acc_3", "vh_bce", "vh_auc", "union_sim", "lr", "grad_norm"):
+        for key in ("loss", "tau_sim", "acc_0", "cond_acc_3", "vh_bce", "vh_auc", "union_sim", "lr", "grad_norm",
+                    "union_scale", "union_lambda_eff"):
             assert ra[key] == rb[key], (ra["step"], key)
+    # λ's scale: 0 until a step on an informative table was measured (step 1 had no folded routing, step 2's norms
+    # count from step 3), then the ratio over steps 2-3, frozen from step 4 (also across the kill after step 3)
+    scales = [r["union_scale"] for r in a]
+    assert scales[0] == scales[1] == 0.0 and scales[2] > 0 and scales[3] == scales[4] != scales[2]
 
 
 def test_vat_with_budget_trains_and_logs_vh_and_union(train_workspace, tmp_path):

@@ -85,7 +85,8 @@ class LossConfig:
     union_weight: float = 0.0  # lambda: the union term's gradient on the draft logits as a fraction of imitation's
     union_norm: str = "grad_ratio"  # grad_ratio (lambda = gradient ratio, same on every target shape) | none (raw)
     union_top_m: int = 8  # candidates per draft step in the expected expert use
-    union_scale_max: Optional[float] = None  # bound on the grad_ratio scale s; null = 1e4 (vat.losses.UNION_SCALE_MAX)
+    union_scale_max: Optional[float] = None  # guard on the grad_ratio scale s; null = 1e4 (vat.union_scale.UNION_SCALE_MAX)
+    union_scale_warmup: int = 20  # optimizer steps s is measured over once the affinity table is informative
     union_max_anchors: Optional[int] = 1024  # anchors sampled per step for the union term (memory N·K·L'·E); null = all
     affinity: Optional[str] = None  # precomputed affinity table (`vat prep affinity`); null = online EMA
     affinity_ema: float = 0.99
@@ -340,6 +341,9 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[list[str]] = N
     if cfg.train.lora is not None and not cfg.train.init_from:
         raise VatError("config key `train.lora` needs `train.init_from`: adapters on a freshly initialised draft "
                        "would adapt random weights; set train.init_from=DRAFT_DIR or train.lora=null")
+    if cfg.loss.union_scale_warmup < 1:
+        raise VatError(f"config key `loss.union_scale_warmup` must be >= 1 (optimizer steps the scale is measured "
+                       f"over), got {cfg.loss.union_scale_warmup}")
     apply_method_preset(cfg)
     return cfg  # type: ignore[return-value]
 

@@ -21,14 +21,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vat.errors import VatError
+from vat.union_scale import UNION_SCALE_MAX, UnionScale, batch_norms, effective_lambda
 from vat.verify import ACCEPTANCE_RULES, TargetDist, VerificationResult, simulate_verification
 
 DRAFTER_KINDS = ("eagle3", "dflash")
 UNION_NORMS = ("grad_ratio", "none")
-# bound on the grad_ratio scale s (docs/vat_losses.md): a trained tiny draft needs s ~ 1e2 and a fresh one 6e2-2e3
-# after its first routing fold, while before any fold the table's rows are equal and ||grad U|| is fp32 rounding
-# noise, giving s ~ 1e7-1e9 -- which would scale that noise up to lambda x the imitation gradient
-UNION_SCALE_MAX = 1.0e4
 IMITATION_NORMS = ("anchors", "weight_sum")
 
 
@@ -407,6 +404,8 @@ def vat_objective(
     verification: VerificationResult | None = None,
     generator: torch.Generator | None = None,
     union_anchors: Tensor | None = None,
+    union_scale: UnionScale | None = None,
+    measure_pull: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The full training objective, on the VAT paper's scale.
 
@@ -415,10 +414,13 @@ def vat_objective(
     position (SpecForge's Σ_k w_k·mean_t ℓ and the paper's per-anchor sum), so ``vh_weight = 1`` is the paper's β.
     With ``imitation_norm = weight_sum`` (the DFlash recipe) the imitation term is instead ``Σ ŵ ℓ / Σ ŵ`` over every
     imitation position (a weighted mean; N is replaced by the weight sum).
-    With ``union_norm = grad_ratio`` the stop-gradient scale s makes the union term's gradient on the (sampled
-    anchors') draft logits exactly λ times the imitation term's there, whatever the target's layers, experts and
-    top-k, unless s would exceed ``switches.union_scale_max`` (then s is that bound and the union pulls with less than
-    λ: a near-zero union gradient is noise, not a direction); with ``none`` s = 1 and ``L_union = mean U / E``.
+    With ``union_norm = grad_ratio`` the stop-gradient scale s makes the union term's gradient on the batch's draft
+    logits λ times the imitation term's, whatever the target's layers, experts and top-k and however many anchors
+    the union term samples (both norms rescaled from the sample to the batch, :func:`vat.union_scale.batch_norms`):
+    with ``union_scale`` s is that state's (0 before the affinity table is informative, then measured over a warm-up
+    and frozen, :class:`vat.union_scale.UnionScale`), without it s is this call's own ratio; either way s never
+    exceeds ``switches.union_scale_max`` (a guard: a near-zero union gradient is noise, not a direction). With
+    ``none`` s = 1 and ``L_union = mean U / E``.
 
     Args:
         draft_logits: ``(..., K, V_d)`` draft logits (grad).
@@ -436,14 +438,20 @@ def vat_objective(
         generator: RNG for ``acceptance='sampled'``.
         union_anchors: ``(M,)`` int64 flat indices into the leading dims ``...``: the union term (penalty and
             ``union_sim``) uses only these anchors (None = all). Its memory is ``M·K·L'·E``, so large targets sample.
+        union_scale: the training run's :class:`vat.union_scale.UnionScale` (fed this call's norms while it warms up);
+            None = s from this call alone.
+        measure_pull: compute the two gradient norms (for ``union_lambda_eff``) even when s does not need them; the
+            trainer measures only on logging steps once s is frozen (each measurement is one more ``(M, K, V_d)``).
 
     Returns:
         ``(loss (), metrics)``: metrics are detached SUM-reducible tensors — ``loss_k_sum/count (K,)``,
         ``acc_k_sum/count (K,)``, ``cond_acc_k_sum/count (K,)``, ``tau_sim_sum/count ()``, ``weight_sum ()``
         (Σ ŵ over imitation positions), ``imitation_anchors ()``, and when computed ``vh_bce_sum/count ()``,
         ``union_sim_sum/count ()`` (in experts per layer per anchor), ``union_scale_sum/count ()`` (the grad_ratio
-        scale s, after the bound), ``union_scale_raw_sum/count ()`` (s before it), ``union_clamped_sum/count ()`` (1
-        when bounded), ``union_loss_sum/count ()`` (the unscaled ``L_union``) and ``objective_sum/count ()``: the
+        scale s applied), ``union_scale_raw_sum/count ()`` (this call's batch-scaled norm ratio, when measured),
+        ``union_clamped_sum/count ()`` (1 when the guard binds), ``union_lambda_eff_sum/count ()`` (the union's pull
+        ``λ·s·‖∇L_union‖/‖∇L_imit‖``, when measured), ``union_loss_sum/count ()`` (the unscaled ``L_union``) and
+        ``objective_sum/count ()``: the
         objective with the union term unscaled, ``imitation + vh + λ·L_union`` — what the trainer logs as ``loss``
         (the optimised one carries ``λ·s·L_union``, s up to ~1e7 for a fresh draft).
     """
@@ -475,7 +483,8 @@ def vat_objective(
         raise ValueError("union_weight > 0 needs the affinity table and the anchors' routing")
     if affinity is not None and anchor_routing is not None:
         u = _union_inputs(draft_logits, target, valid, verification, anchor_routing, weights.wm, union_anchors)
-        loss, logged = _add_union_term(loss, metrics, u, affinity, switches, weights.denom)
+        pull = _UnionPull(union_scale, measure_pull, verification.anchor_valid.sum())
+        loss, logged = _add_union_term(loss, metrics, u, affinity, switches, weights.denom, pull)
     metrics["objective_sum"] = (logged if logged is not None else loss.detach()).float()
     metrics["objective_count"] = torch.ones((), device=dev)
     return loss, metrics
@@ -593,6 +602,7 @@ def _add_union_term(
     affinity: Tensor,
     switches: LossSwitches,
     denom: Tensor,
+    pull: _UnionPull,
 ) -> tuple[Tensor, Tensor | None]:
     """``loss`` plus ``λ·s·L_union`` (when weighted) and the logged objective (its union term unscaled; None when the
     union is only logged). ``union_*`` metrics go into ``metrics``."""
@@ -603,7 +613,7 @@ def _add_union_term(
         union = soft_union(a, u.routing, u.valid)  # (..., L')
         penalty, u_sum, u_count = union_penalty(union, affinity.shape[-1], u.anchor_valid)
     if switches.union_weight:
-        scale = _union_scale(penalty, u, switches, denom, metrics)
+        scale = _union_scale(penalty, u, switches, denom, metrics, pull)
         # the logged objective takes the union term unscaled: s is ~1e7 when a fresh draft's union gradient is
         # near zero, which bounds the gradient but would make the logged number meaningless
         logged = loss.detach() + switches.union_weight * penalty.detach()
@@ -617,21 +627,45 @@ def _add_union_term(
     return loss, logged
 
 
+class _UnionPull(NamedTuple):
+    """How :func:`_union_scale` sets s: the run's state (None = this call alone), whether to measure the norms when
+    s does not need them, and the batch's valid anchor count N."""
+
+    state: UnionScale | None
+    measure: bool
+    anchors: Tensor  # () N
+
+
 def _union_scale(
-    penalty: Tensor, u: _UnionInputs, switches: LossSwitches, denom: Tensor, metrics: dict[str, Tensor]
+    penalty: Tensor, u: _UnionInputs, switches: LossSwitches, denom: Tensor, metrics: dict[str, Tensor],
+    pull: _UnionPull,
 ) -> Tensor:
-    """``()`` the stop-gradient scale s of the union term: the bounded grad_ratio (logged in ``metrics``), else 1."""
+    """``()`` the stop-gradient scale s of the union term (grad_ratio; else 1), its metrics into ``metrics``."""
     dev = u.logits.device
-    scale = torch.ones((), device=dev)
-    if switches.union_norm == "grad_ratio" and penalty.requires_grad:
+    one = torch.ones((), device=dev)
+    if switches.union_norm != "grad_ratio" or not penalty.requires_grad:
+        return one
+    state = pull.state
+    measured = state is None or state.needs_norms or pull.measure
+    if measured:
         g_imit = imitation_logit_grad(u.logits.detach(), u.target, u.wm, switches, denom)
         (g_union,) = torch.autograd.grad(penalty, u.logits, retain_graph=True)
-        raw = union_grad_scale(g_imit, g_union)
-        scale = raw.clamp_max(switches.union_scale_max)
+        imit_norm, union_norm = batch_norms(g_imit.norm(), g_union.detach().float().norm(), pull.anchors,
+                                            u.anchor_valid.float().sum())
+        raw = union_grad_scale(imit_norm, union_norm)
         metrics["union_scale_raw_sum"] = raw.detach()
-        metrics["union_scale_raw_count"] = torch.ones((), device=dev)
-        metrics["union_clamped_sum"] = (raw > switches.union_scale_max).float()
-        metrics["union_clamped_count"] = torch.ones((), device=dev)
+        metrics["union_scale_raw_count"] = one
+    if state is None:
+        scale, clamped = raw.clamp_max(switches.union_scale_max), raw > switches.union_scale_max
+    else:
+        if measured:
+            state.observe(imit_norm, union_norm)
+        scale, clamped = state.value(dev), state.clamped(dev)
+    metrics["union_clamped_sum"] = clamped.float()
+    metrics["union_clamped_count"] = one
+    if measured:
+        metrics["union_lambda_eff_sum"] = effective_lambda(switches.union_weight, scale, imit_norm, union_norm)
+        metrics["union_lambda_eff_count"] = one
     return scale
 
 

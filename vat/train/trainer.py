@@ -58,6 +58,7 @@ from vat.train.kinds import drafter_kind
 from vat.train.kinds.base import check_vocab_setting
 from vat.train.loop import DataPosition, TrainLoop
 from vat.train.lora import apply_lora, merged_draft
+from vat.union_scale import UnionScale
 from vat.verify import simulate_verification, target_dist
 
 VH_PREFIX = "verification_head."
@@ -240,6 +241,11 @@ class Trainer(TrainLoop):
                 layer_stride=int(cfg.loss.affinity_layer_stride),
             )
         self.affinity = self.affinity.to(self.device)
+        # λ's scale s: 0 until the table has folded routing (a loaded table has), measured over a warm-up of steps, then
+        # frozen (vat.union_scale)
+        self.union_scale = UnionScale(warmup=int(cfg.loss.union_scale_warmup), bound=self.switches.union_scale_max)
+        self.union_scale.informative = cfg.loss.affinity is not None
+        self.union_bound_reported = False
         self.budget = None
         if cfg.budget.B is not None:
             b = OmegaConf.to_container(cfg.budget, resolve=True)["B"]  # int, list or {layer: B}
@@ -349,6 +355,7 @@ class Trainer(TrainLoop):
             anchor_routing=self._tracked_layers(slots.anchor_routing) if union else None,
             verification=verification,
             union_anchors=self._union_anchors(verification.anchor_valid) if union else None,
+            union_scale=self.union_scale, measure_pull=self._logs_at(self.step + 1),
         )
         if vh_logits is not None:  # kept for an exact AUC over the logging window
             mask = verification.valid
@@ -386,6 +393,7 @@ class Trainer(TrainLoop):
         n, L, k = ids.shape
         flat = gather_rows(torch.cat([rows.view(-1, 1), ids.reshape(n, L * k)], dim=1).to(torch.int32))
         self.affinity.fold(flat[:, 0].long(), flat[:, 1:].long().view(-1, L, k))
+        self.union_scale.informative = True  # the table has seen routing: its union gradient is a direction
 
     def _union_anchors(self, anchor_valid: torch.Tensor) -> torch.Tensor | None:
         """A seeded sample of valid anchors for the union term (all of them when they fit ``union_max_anchors``)."""
@@ -413,6 +421,12 @@ class Trainer(TrainLoop):
         return True
 
     def after_step(self) -> None:
+        # the step's union gradient norms, summed over the ranks, join the scale's warm-up (before this step's fold
+        # makes a fresh table informative: the scale measures from the first step that ran on an informative table)
+        reduce_sum = None
+        if self.accelerator.num_processes > 1:
+            reduce_sum = lambda t: self.accelerator.reduce(t.to(self.device), reduction="sum")  # noqa: E731
+        self.union_scale.commit(reduce_sum, self.device)
         self._fold_affinity()
 
     def on_run_start(self) -> None:
@@ -480,6 +494,11 @@ class Trainer(TrainLoop):
         finalized = finalize_metrics(reduced)
         if "objective" in finalized:  # the union term unscaled (union_scale is logged beside it)
             record["loss"] = float(finalized.pop("objective"))
+        if (finalized.get("union_clamped") or 0) > 0 and self.is_main and not self.union_bound_reported:
+            self.union_bound_reported = True
+            print(f"[vat] step {self.step}: the union scale hit its guard loss.union_scale_max="
+                  f"{self.switches.union_scale_max:g} (unbounded {finalized.get('union_scale_raw', float('nan')):.3g}):"
+                  f" the union pulls with less than λ = {self.switches.union_weight:g} (union_lambda_eff)")
         for key, value in finalized.items():
             if isinstance(value, (list, tuple)):  # per-step lists -> acc_0 ... acc_{K-1}
                 base = key[:-2] if key.endswith("_k") else key
@@ -562,6 +581,7 @@ class Trainer(TrainLoop):
                 "sharded": self.sharded,
                 "lora_targets": list(self.lora_targets),
                 "affinity": self.affinity.state_dict(),  # the same on every rank (folded from the global batch)
+                "union_scale": self.union_scale.state_dict(),
                 "rng": rng,
                 "nonfinite_total": self.nonfinite_total,
             }
@@ -587,6 +607,8 @@ class Trainer(TrainLoop):
         load_full_state_dicts(model, self.optimizer, state["drafter"], state["optimizer"], self.sharded)
         self.scheduler.load_state_dict(state["scheduler"])
         self.affinity.load_state_dict(state["affinity"])
+        if "union_scale" in state:  # checkpoints before the warm-up scale measured s per step
+            self.union_scale.load_state_dict(state["union_scale"], self.device)
         self.step = int(state["step"])
         epoch, batch_index = state["position"]
         saved_world, world = int(state.get("world_size", 1)), self.accelerator.num_processes
