@@ -640,6 +640,33 @@ def test_union_lambda_ratio_on_sampled_anchors():
     assert float(extra[others].abs().max()) == 0.0  # the union term reaches only the sampled anchors
 
 
+def _allocated_bytes(fn) -> int:
+    """Bytes the CPU allocator handed out while ``fn`` ran (the profiler's memory events, every op's positive sum)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(e.cpu_memory_usage for e in prof.key_averages() if e.cpu_memory_usage > 0)
+
+
+def test_the_union_term_on_sampled_anchors_copies_no_batch_sized_tensor():
+    """The target fields in the TTT layout are windows over the per-position tensors (a view): the union term on 16
+    sampled anchors must gather those 16 anchors' rows, not reshape (copy) the whole (B, T, K, V_d) view first. Its
+    allocations beyond the same objective without the union term stay under half of one batch-sized fp32 tensor
+    (the reshape copied 4 of them: 59 MB here)."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, K, V, L, E = 4, 256, 7, 512, 2, 8
+    dist, valid = target_dist(torch.randn(B, T, V, generator=gen)).gather_ttt(K)
+    assert not dist.probs.is_contiguous()  # the windows view the test is about
+    logits = torch.randn(B, T, K, V, generator=gen, requires_grad=True)
+    table, routing = torch.rand(V, L, E, generator=gen), (torch.rand(B, T, L, E, generator=gen) > 0.7).float()
+    without = _allocated_bytes(lambda: vat_objective(logits, dist, valid, LossSwitches()))
+    union = _allocated_bytes(lambda: vat_objective(logits, dist, valid, LossSwitches(union_weight=0.1), affinity=table,
+                                                   anchor_routing=routing, union_anchors=torch.arange(16)))
+    batch_sized = B * T * K * V * 4
+    assert union - without < 0.5 * batch_sized, (union - without) / batch_sized
+
+
 def test_logged_objective_takes_the_union_term_unscaled():
     """A fresh draft whose union barely depends on its logits: s = ||∇imit|| / ||∇union|| is huge, so the optimised
     loss is ~λ·s·U/E; the logged objective is imitation + λ·L_union, which stays near the imitation term."""

@@ -583,15 +583,17 @@ def _union_inputs(
     """The union term's inputs, restricted to ``union_anchors`` when given (None = all anchors)."""
     if union_anchors is None:
         return _UnionInputs(draft_logits, anchor_routing, valid, verification.anchor_valid, target, wm)
-    # the union term on a subset of anchors: (N, K, L', E) grows with L'·E
-    K = draft_logits.shape[-2]
+    # the union term on a subset of anchors: (N, K, L', E) grows with L'·E. The flat indices are unravelled and each
+    # tensor indexed in its own leading dims: the target fields are strided views of the per-position tensors (the
+    # TTT layout's windows), which a reshape to (N, K, ...) would copy whole (K x the batch's V_d-wide rows)
+    index = torch.unravel_index(union_anchors, tuple(valid.shape[:-1]))  # one (M,) index per leading dim
     return _UnionInputs(
-        logits=draft_logits.reshape(-1, K, draft_logits.shape[-1])[union_anchors],  # (M, K, V_d)
-        routing=anchor_routing.reshape(-1, *anchor_routing.shape[-2:])[union_anchors],  # (M, L', E)
-        valid=valid.reshape(-1, K)[union_anchors],  # (M, K)
-        anchor_valid=verification.anchor_valid.reshape(-1)[union_anchors],  # (M,)
-        target=target.apply(lambda x: x.reshape(-1, K, *x.shape[valid.dim():])[union_anchors]),
-        wm=wm.reshape(-1, K)[union_anchors],  # (M, K)
+        logits=draft_logits[index],  # (M, K, V_d)
+        routing=anchor_routing[index],  # (M, L', E)
+        valid=valid[index],  # (M, K)
+        anchor_valid=verification.anchor_valid[index],  # (M,)
+        target=target.apply(lambda x: x[index]),  # fields (M, K[, V_d])
+        wm=wm[index],  # (M, K)
     )
 
 
