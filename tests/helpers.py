@@ -11,6 +11,9 @@ import os
 import torch
 from tiny_models import tiny_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import PreTrainedTokenizerFast
 
 from vat.config import load_config
@@ -436,3 +439,34 @@ def build_small_tokenizer(vocab_size: int = 100) -> PreTrainedTokenizerFast:
     )
     fast.chat_template = CHATML
     return fast
+
+
+# ---- memory: peak bytes of live CPU tensors ---------------------------------------------------------------------------
+
+
+class PeakTensorBytes(TorchDispatchMode):
+    """Within ``with PeakTensorBytes() as m:``, ``m.peak`` is the most bytes held at once by CPU tensor storages
+    created inside the block (autograd's saved tensors and backward buffers included; storages made before the block,
+    such as inputs, are not counted). Each op's outputs are registered by storage; a storage leaves the count once no
+    tensor holds it (checked after every op), so the figure is a peak, not a sum of allocations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key, (ref, nbytes) in list(self.live.items()):
+            if ref.expired():
+                del self.live[key]
+                self.current -= nbytes
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                if ref.cdata not in self.live and storage.nbytes() > 0:
+                    self.live[ref.cdata] = (ref, storage.nbytes())
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+        return out

@@ -93,6 +93,7 @@ class LossConfig:
     affinity_storage: str = "float32"  # online table: float32 (dense EMA counts) | uint16 (compact rows, fp16 table)
     affinity_layer_stride: int = 1  # online table tracks MoE layers 0, s, 2s, ...: the union runs over those
     acceptance: str = "greedy"  # greedy | expected | sampled (simulated verification rule)
+    imitation_chunk_mb: Optional[float] = 256.0  # fp32 MiB per chunk of the imitation loss (vat.imitation); null = autograd
     imitation_norm: Optional[str] = None  # anchors (VAT paper: sum over slots, mean over anchors) | weight_sum (DFlash:
     # weighted mean over slots); null = from method
 

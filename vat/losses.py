@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vat.errors import VatError
+from vat.imitation import chunked_imitation
 from vat.union_scale import UNION_SCALE_MAX, UnionScale, batch_norms, effective_lambda
 from vat.verify import ACCEPTANCE_RULES, TargetDist, VerificationResult, simulate_verification
 
@@ -346,6 +347,7 @@ class LossSwitches:
     dflash_gamma: float | None = None  # DFlash base weight exp(-k/gamma); None = 7 * block_size / 16
     kind: str = "eagle3"  # eagle3 | dflash: which base schedule
     imitation_norm: str = "anchors"  # anchors: Σ_k over slots, mean over anchors (VAT) | weight_sum: Σ w ℓ / Σ w (DFlash)
+    imitation_chunk_mb: float | None = None  # fp32 MiB per chunk of the imitation term (vat.imitation); None = autograd
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_RULES:
@@ -358,6 +360,8 @@ class LossSwitches:
             raise VatError(f"loss.union_norm must be one of {list(UNION_NORMS)}, got `{self.union_norm}`")
         if not self.union_scale_max > 0:
             raise VatError(f"loss.union_scale_max must be > 0 (null = the default bound), got {self.union_scale_max}")
+        if self.imitation_chunk_mb is not None and not self.imitation_chunk_mb > 0:
+            raise VatError(f"loss.imitation_chunk_mb must be > 0 (null = unchunked), got {self.imitation_chunk_mb}")
         if self.imitation_norm not in IMITATION_NORMS:
             raise VatError(f"loss.imitation_norm must be one of {list(IMITATION_NORMS)}, got `{self.imitation_norm}`")
 
@@ -382,6 +386,8 @@ class LossSwitches:
             dflash_gamma=None if gamma is None else float(gamma),
             kind=kind,
             imitation_norm=str(getattr(loss_cfg, "imitation_norm", None) or "anchors"),
+            imitation_chunk_mb=(None if getattr(loss_cfg, "imitation_chunk_mb", None) is None
+                                else float(loss_cfg.imitation_chunk_mb)),
         )
 
     def base_weights(self, K: int, device: torch.device | None = None) -> Tensor:
@@ -530,7 +536,14 @@ def _imitation_weights(
 
 
 def _imitation_per_position(draft_logits: Tensor, target: TargetDist, imit: Tensor, switches: LossSwitches) -> Tensor:
-    """``(..., K)`` unweighted imitation loss ``soft_weight·ℓ_soft + hard_weight·ℓ_hard``, 0 off the imitation mask."""
+    """``(..., K)`` unweighted imitation loss ``soft_weight·ℓ_soft + hard_weight·ℓ_hard``, 0 off the imitation mask:
+    a chunk of anchors at a time (:func:`vat.imitation.chunked_imitation`, ``imitation_chunk_mb`` of fp32 per chunk)
+    or, with ``imitation_chunk_mb`` None, through autograd (the reference)."""
+    if switches.imitation_chunk_mb is not None:
+        K, Vd = draft_logits.shape[-2:]
+        anchors = max(1, int(switches.imitation_chunk_mb * 2**20 // (K * Vd * 4)))  # one anchor: K·V_d fp32 values
+        return chunked_imitation(draft_logits, target.probs, target.argmax_draft, imit, switches.soft_weight,
+                                 switches.hard_weight, anchors)
     logq = draft_logits.float().log_softmax(-1)  # (..., K, V_d)
     per_pos = torch.zeros_like(logq[..., 0])  # (..., K)
     if switches.soft_weight:

@@ -1,0 +1,94 @@
+"""The chunked imitation loss equals the autograd reference in value and gradient, on the layouts users hit (the
+EAGLE-3 TTT windows view, DFlash blocks, bf16 logits), and allocates one chunk's fp32 tensors, not the batch's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import PeakTensorBytes
+
+from vat.imitation import chunked_imitation
+from vat.losses import LossSwitches, vat_objective
+from vat.verify import target_dist
+
+
+def _reference(logits, probs, ids, imit, soft, hard):
+    """The obvious per-position loss, through autograd: soft CE against p plus hard CE on the argmax, 0 off imit."""
+    logq = logits.float().log_softmax(-1)
+    loss = soft * -(probs * logq).sum(-1) + hard * -logq.gather(-1, ids.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(imit, loss, torch.zeros_like(loss))
+
+
+def _ttt_case(B=3, T=20, K=4, V=40, Vd=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    d2t = torch.sort(torch.randperm(V, generator=gen)[:Vd]).values
+    dist, valid = target_dist(torch.randn(B, T, V, generator=gen) * 2, d2t).gather_ttt(K)  # views (B, T, K, ·)
+    logits = torch.randn(B, T, K, Vd, generator=gen) * 2
+    imit = valid & (dist.argmax_draft >= 0)
+    return logits, dist, imit
+
+
+@pytest.mark.parametrize("soft,hard", [(1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (0.5, 2.0)])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_equals_autograd_on_the_ttt_windows(soft, hard, chunk):
+    logits, dist, imit = _ttt_case()
+    assert not dist.probs.is_contiguous() and bool(imit.any()) and not bool(imit.all())
+    weights = torch.rand(imit.shape, generator=torch.Generator().manual_seed(1))  # a weighted sum, like the objective
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    got = chunked_imitation(a, dist.probs, dist.argmax_draft, imit, soft, hard, chunk)
+    want = _reference(b, dist.probs, dist.argmax_draft, imit, soft, hard)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_logits_get_a_bf16_gradient_equal_to_the_fp32_one_to_rounding():
+    logits, dist, imit = _ttt_case(seed=2)
+    a = logits.to(torch.bfloat16).requires_grad_(True)
+    b = logits.to(torch.bfloat16).float().requires_grad_(True)
+    chunked_imitation(a, dist.probs, dist.argmax_draft, imit, 1.0, 1.0, 5).sum().backward()
+    _reference(b, dist.probs, dist.argmax_draft, imit, 1.0, 1.0).sum().backward()
+    assert a.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(a.grad.float(), b.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_the_objective_is_the_same_chunked_or_not_for_both_drafters():
+    """vat_objective with loss.imitation_chunk_mb (the default) and with null (the autograd reference): equal loss,
+    metrics and gradient, for the EAGLE-3 recipe (soft CE, anchors) and DFlash's (hard CE, weight-sum normaliser,
+    adaptive); 0.01 MiB per chunk is 27 anchors of 4 x 24 fp32 values, so the 60 anchors take 3 chunks."""
+    logits, dist, imit = _ttt_case(seed=3)
+    valid = imit | (torch.rand(imit.shape, generator=torch.Generator().manual_seed(3)) > 0.5)
+    for sw in (dict(soft_weight=1.0), dict(soft_weight=0.0, hard_weight=1.0, imitation_norm="weight_sum",
+                                           adaptive_weights=True, kind="dflash")):
+        out = []
+        for chunk_mb in (None, 0.01):
+            x = logits.clone().requires_grad_(True)
+            loss, metrics = vat_objective(x, dist, valid, LossSwitches(**sw, imitation_chunk_mb=chunk_mb))
+            loss.backward()
+            out.append((loss.detach(), metrics["loss_k_sum"], x.grad))
+        for ref, got in zip(*out):
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_forward_and_backward_hold_a_chunk_not_the_batch():
+    """On a (4, 256, 7, 512) TTT batch the autograd reference holds several batch-sized fp32 tensors at once
+    (log-probabilities, the product with p, their gradients); the chunked path holds the gradient buffer and one
+    64-anchor chunk's transients (1/16 of the batch each)."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, K, V = 4, 256, 7, 512
+    dist, valid = target_dist(torch.randn(B, T, V, generator=gen)).gather_ttt(K)
+    batch_sized = B * T * K * V * 4
+
+    def peak(chunk):
+        x = torch.randn(B, T, K, V, generator=gen).requires_grad_(True)
+        with PeakTensorBytes() as held:
+            loss = (chunked_imitation(x, dist.probs, dist.argmax_draft, valid, 1.0, 1.0, chunk) if chunk
+                    else _reference(x, dist.probs, dist.argmax_draft, valid, 1.0, 1.0))
+            loss.sum().backward()
+        return held.peak / batch_sized
+
+    chunked, reference = peak(64), peak(None)
+    assert reference > 3.0, reference
+    assert chunked < 1.5, chunked
