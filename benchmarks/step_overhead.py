@@ -1,12 +1,14 @@
 """Seconds per training step of EAGLE-3 vs VAT on the same batch, model and process; prints the ratios.
 
     python benchmarks/step_overhead.py [--target tiny] [--data tiny] [--repeats 20] [--output results.json]
+    python benchmarks/step_overhead.py --variants eagle3,eagle3-autograd,vat,vat-autograd   # chunked vs autograd CE
 
 Each variant is a full optimizer step (frozen target forward with capture, TTT unroll, objective, backward, clip,
 AdamW): ``eagle3`` (baseline), ``vat`` (simulated verification + adaptive weights + VH), ``vat+union`` (plus the
-expert-union penalty), ``vat+union+budget`` (plus the windowed expert budget on the target forward). Variants are
-timed round-robin so machine noise hits them alike; the median is reported. The last line is
-``ratio vat/eagle3: X.XX`` (goal: <= 1.10).
+expert-union penalty), ``vat+union+budget`` (plus the windowed expert budget on the target forward); ``*-autograd``
+are the same steps with the imitation loss through autograd (``loss.imitation_chunk_mb=null``) instead of the
+chunked path (``vat/imitation.py``, the default). Variants are timed round-robin so machine noise hits them alike;
+the median is reported. The last line is ``ratio vat/eagle3: X.XX`` (goal: <= 1.10).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ VARIANTS = {
     "vat": ["method=vat"],
     "vat+union": ["method=vat", "loss.union_weight=0.05"],
     "vat+union+budget": ["method=vat", "loss.union_weight=0.05", "budget.B=4"],
+    "eagle3-autograd": ["method=eagle3", "loss.imitation_chunk_mb=null"],
+    "vat-autograd": ["method=vat", "loss.imitation_chunk_mb=null"],
 }
+DEFAULT_VARIANTS = "eagle3,vat,vat+union,vat+union+budget"
 
 
 def build(variant: list[str], args) -> object:
@@ -44,7 +49,7 @@ def one_step(trainer, batch) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    loss, _ = trainer._forward_loss(batch, trainer._budget_for_step(trainer.step))
+    loss, _ = trainer.forward_loss(batch, trainer.step_context(trainer.step))
     trainer.accelerator.backward(loss)
     trainer.accelerator.clip_grad_norm_(trainer.drafter.parameters(), trainer.cfg.train.grad_clip)
     trainer.optimizer.step()
@@ -64,11 +69,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--workdir", default="outputs/step_overhead")
     parser.add_argument("--output", default=None, help="write the timings as JSON")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma list of {', '.join(VARIANTS)} (eagle3 always runs: the ratios' base)")
     args = parser.parse_args()
+    names = ["eagle3", *[n for n in args.variants.split(",") if n and n != "eagle3"]]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; one of {', '.join(VARIANTS)}")
 
     from vat.train.data import collate
 
-    trainers = {name: build(v, args) for name, v in VARIANTS.items()}
+    trainers = {name: build(VARIANTS[name], args) for name in names}
     first = trainers["eagle3"]
     indices = first.batches.epoch(0)[0]
     batch = {k: v.to(first.device) for k, v in collate([first.dataset[i] for i in indices], first.pad_id).items()}
@@ -94,7 +105,8 @@ def main() -> None:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)
-    print(f"ratio vat/eagle3: {statistics.median(times['vat']) / base:.2f}")
+    if "vat" in times:
+        print(f"ratio vat/eagle3: {statistics.median(times['vat']) / base:.2f}")
 
 
 if __name__ == "__main__":

@@ -447,7 +447,7 @@ def build_small_tokenizer(vocab_size: int = 100) -> PreTrainedTokenizerFast:
 class PeakTensorBytes(TorchDispatchMode):
     """Within ``with PeakTensorBytes() as m:``, ``m.peak`` is the most bytes held at once by CPU tensor storages
     created inside the block (autograd's saved tensors and backward buffers included; storages made before the block,
-    such as inputs, are not counted). Each op's outputs are registered by storage; a storage leaves the count once no
+    such as inputs, and views of them are not counted). Each op's outputs are registered by storage; a storage leaves the count once no
     tensor holds it (checked after every op), so the figure is a peak, not a sum of allocations."""
 
     def __init__(self) -> None:
@@ -457,6 +457,7 @@ class PeakTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for key, (ref, nbytes) in list(self.live.items()):
             if ref.expired():
                 del self.live[key]
@@ -464,6 +465,8 @@ class PeakTensorBytes(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = t.untyped_storage()
+                if storage.data_ptr() in inputs:
+                    continue  # a view or an in-place result: nothing allocated
                 ref = StorageWeakRef(storage)
                 if ref.cdata not in self.live and storage.nbytes() > 0:
                     self.live[ref.cdata] = (ref, storage.nbytes())

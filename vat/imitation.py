@@ -6,8 +6,8 @@ product with ``p`` alive until backward; at the shipped recipes' shapes that is 
 or 512 blocks x 16 slots x 152k (DFlash) fp32 values per tensor, several GB each. :func:`chunked_imitation` computes
 ``ℓ`` a chunk of anchors at a time and saves nothing but its inputs; backward recomputes ``softmax(z)`` per chunk and
 writes ``∂ℓ/∂z = soft_weight · (q Σp − p) + hard_weight · (q − e_y)`` into one gradient buffer in the logits' dtype.
-The transient memory is one chunk's ``(c, K, V_d)`` in fp32. The target fields may be strided views (the TTT layout's
-windows): each chunk gathers its own anchors' rows, never the whole view.
+The transient memory is one chunk's ``(c, K, V_d)`` in fp32 (two in backward). Chunks are slices of the leading dims,
+so the target fields may stay strided views (the TTT layout's windows): nothing copies the whole view.
 
 Reference: ``vat.losses`` computes the same ``ℓ`` with autograd when ``loss.imitation_chunk_mb`` is null; the two agree in
 value and gradient (``tests/test_imitation.py``).
@@ -21,21 +21,20 @@ import torch
 from torch import Tensor
 
 
-def _chunks(lead: tuple[int, ...], chunk: int, device: torch.device) -> Iterator[tuple[Tensor, ...]]:
-    """Index tuples over the leading dims ``lead``, ``chunk`` flat anchors each (unravelled, so views need no copy)."""
-    total = 1
-    for d in lead:
-        total *= d
-    for start in range(0, total, chunk):
-        flat = torch.arange(start, min(total, start + chunk), device=device)
-        yield torch.unravel_index(flat, lead)
-
-
-def _chunk_inputs(inputs: tuple[Tensor, ...], index: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """One chunk of (logits, probs, ids, imit): fp32 logits (c, K, V_d), fp32 target probs (None when not given),
-    draft ids (c, K), imitation mask (c, K)."""
-    logits, probs, ids, imit = inputs
-    return logits[index].float(), None if probs.numel() == 0 else probs[index].float(), ids[index], imit[index]
+def _chunks(lead: tuple[int, ...], chunk: int) -> Iterator[tuple[slice, ...]]:
+    """Slices over the leading dims ``lead`` covering at most ``chunk`` anchors each: whole rows of the first dim when
+    a row fits, else pieces of one row (recursively). Slices keep every dim, so each chunk is a view (no gather)."""
+    inner = 1
+    for d in lead[1:]:
+        inner *= d
+    if len(lead) == 1 or chunk >= inner:
+        rows = max(1, chunk // inner)
+        for start in range(0, lead[0], rows):
+            yield (slice(start, start + rows),)
+        return
+    for row in range(lead[0]):
+        for rest in _chunks(lead[1:], chunk):
+            yield (slice(row, row + 1), *rest)
 
 
 class _ChunkedImitation(torch.autograd.Function):
@@ -43,34 +42,39 @@ class _ChunkedImitation(torch.autograd.Function):
     def forward(ctx, logits, probs, ids, imit, soft_weight, hard_weight, chunk):  # noqa: D102
         lead = tuple(logits.shape[:-2])
         out = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)  # (..., K)
-        for index in _chunks(lead, chunk, logits.device):
-            z, p, y, mask = _chunk_inputs((logits, probs, ids, imit), index)
-            logq = z.log_softmax(-1)  # (c, K, V_d)
-            per_pos = torch.zeros_like(logq[..., 0])  # (c, K)
-            if soft_weight:
-                per_pos = per_pos + soft_weight * -(p * logq).sum(-1)
-            if hard_weight:
-                per_pos = per_pos + hard_weight * -logq.gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-            out[index] = torch.where(mask, per_pos, torch.zeros_like(per_pos))
+        for index in _chunks(lead, chunk):
+            z = logits[index].float()  # (c.., K, V_d)
+            lse = z.logsumexp(-1)  # (c.., K)
+            per_pos = torch.zeros_like(lse)
+            if soft_weight:  # -Σ p (z - lse) = lse Σp - Σ p z
+                p = probs[index]
+                per_pos += soft_weight * (lse * p.sum(-1) - torch.einsum("...v,...v->...", p, z))
+            if hard_weight:  # -(z_y - lse)
+                per_pos += hard_weight * (lse - z.gather(-1, ids[index].clamp_min(0).unsqueeze(-1)).squeeze(-1))
+            out[index] = torch.where(imit[index], per_pos, torch.zeros_like(per_pos))
         ctx.save_for_backward(logits, probs, ids, imit)
-        ctx.weights, ctx.chunk, ctx.lead = (soft_weight, hard_weight), chunk, lead
+        ctx.weights, ctx.chunk = (soft_weight, hard_weight), chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
-        logits = ctx.saved_tensors[0]
+        logits, probs, ids, imit = ctx.saved_tensors
         soft_weight, hard_weight = ctx.weights
         grad = torch.empty_like(logits)  # (..., K, V_d) in the logits' dtype
-        for index in _chunks(ctx.lead, ctx.chunk, logits.device):
-            z, p, y, mask = _chunk_inputs(ctx.saved_tensors, index)
-            q = z.softmax(-1)  # (c, K, V_d)
-            g = torch.zeros_like(q)
+        for index in _chunks(tuple(logits.shape[:-2]), ctx.chunk):
+            coef = torch.where(imit[index], grad_out[index].float(), 0.0)  # (c.., K) dL/dℓ, 0 off the mask
+            g = logits[index].float().softmax(-1)  # (c.., K, V_d) q
+            # ∂ℓ/∂z = soft (q Σp - p) + hard (q - e_y), times coef: q scaled once, p subtracted, e_y scattered
+            scale = hard_weight * coef
             if soft_weight:
-                g += soft_weight * (q * p.sum(-1, keepdim=True) - p)
+                p = probs[index]
+                scale = scale + soft_weight * coef * p.sum(-1)
+            g.mul_(scale.unsqueeze(-1))
+            if soft_weight:
+                g.addcmul_(p, (soft_weight * coef).unsqueeze(-1), value=-1.0)
             if hard_weight:
-                g += hard_weight * (q - torch.zeros_like(q).scatter_(-1, y.clamp_min(0).unsqueeze(-1), 1.0))
-            coef = torch.where(mask, grad_out[index].float(), torch.zeros_like(grad_out[index], dtype=torch.float32))
-            grad[index] = (g * coef.unsqueeze(-1)).to(grad.dtype)
+                g.scatter_add_(-1, ids[index].clamp_min(0).unsqueeze(-1), -(hard_weight * coef).unsqueeze(-1))
+            grad[index] = g
         return grad, None, None, None, None, None, None
 
 
