@@ -7,7 +7,9 @@ paired ratio to the reference (``eagle3``) and to every ``compare`` arm (``eagle
 interval, the seed-level t interval and the per-seed values, and its ratio to the best free draft of that benchmark
 (named). Then the evidence issue's goals, judged on the metric each was set on (τ ratios; a win needs both lower
 bounds above 1): VAT >= 1.10x EAGLE-3 and >= 1.05x EAGLE-3 + hard CE on both benchmarks; EAGLE-3 >= 1.2x and VAT >=
-1.3x the best free draft. A bench still running shows its finished cells and says how many seeds each arm has.
+1.3x the best free draft. At temperature > 0 (the T = 1 bench) the goal is the issue's T = 1 one instead: a VAT recipe
+at least level with EAGLE-3 (the ratio's interval reaches 1 or lies above it). A bench still running shows its
+finished cells and says how many seeds each arm has.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ GOALS = [  # (method, against, at least): the evidence issue's goals on τ
     ("vat", "eagle3_hard", 1.05),
 ]
 FREE_GOALS = [("eagle3", 1.2), ("vat", 1.3)]  # against the best free draft (the issue asks it at saturation)
+SAMPLED_ARMS = ("vat", "vat_expected_t1")  # the VAT recipes the T = 1 goal is judged on, against the reference
 
 
 def _interval(est: dict | None, digits: int = 3) -> str:
@@ -89,8 +92,33 @@ def _met(est: dict | None, floor: float) -> str:
     return f"not met ({est['value']:.3f}; {where})"
 
 
+def _level(est: dict | None) -> str:
+    """At least level: both intervals reach 1 or lie above it (their upper bounds >= 1)."""
+    if not est or est.get("value") is None:
+        return "not measured"
+    t = est.get("t") or {}
+    level = est["high"] >= 1 and (t.get("high") is None or t["high"] >= 1)
+    return f"{'met' if level else 'not met'} ({est['value']:.3f} [{est['low']:.3f}, {est['high']:.3f}]" + (
+        f", t [{t['low']:.3f}, {t['high']:.3f}])" if t.get("low") is not None else ")")
+
+
+def sampled_goal_lines(summary: dict) -> list[str]:
+    """The T = 1 goal: each VAT recipe at least level with the reference (EAGLE-3)."""
+    lines = []
+    for bench in summary["benchmarks"]:
+        results = {label: per["none"][bench] for label, per in summary["results"].items()
+                   if bench in per.get("none", {})}
+        for method in SAMPLED_ARMS:
+            if method in results and method != summary["reference"]:
+                lines.append(f"- {bench}: {method} at least level with {summary['reference']} at T = "
+                             f"{summary['settings']['eval']['temperature']:g}: {_level(results[method].get('ratio'))}")
+    return lines
+
+
 def goal_lines(summary: dict) -> list[str]:
     """The goals' verdicts for the arms this bench has."""
+    if (summary.get("settings") or {}).get("eval", {}).get("temperature", 0.0) > 0:
+        return sampled_goal_lines(summary)
     lines = []
     for bench in summary["benchmarks"]:
         best = (summary.get("best_free") or {}).get("none", {}).get(bench)
