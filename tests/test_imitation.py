@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import PeakTensorBytes
 
-from vat.imitation import chunked_imitation
+from vat.imitation import chunked_imitation, imitation_grad_norm
 from vat.losses import LossSwitches, vat_objective
 from vat.verify import target_dist
 
@@ -92,3 +92,15 @@ def test_forward_and_backward_hold_a_chunk_not_the_batch():
     chunked, reference = peak(64), peak(None)
     assert reference > 3.0, reference
     assert chunked < 1.5, chunked
+
+
+@pytest.mark.parametrize("soft,hard", [(1.0, 0.0), (0.0, 1.0), (0.7, 1.3)])
+def test_the_chunked_gradient_norm_is_autograds(soft, hard):
+    """The union scale's imitation-gradient norm, a chunk at a time, against autograd of the weighted reference."""
+    logits, dist, imit = _ttt_case(seed=5)
+    coef = torch.rand(imit.shape, generator=torch.Generator().manual_seed(5)) * imit
+    x = logits.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad((coef * _reference(x, dist.probs, dist.argmax_draft, imit, soft, hard)).sum(), x)
+    for chunk in (3, 10_000):
+        got = imitation_grad_norm(logits, dist.probs, dist.argmax_draft, coef, soft, hard, chunk)
+        assert float(got) == pytest.approx(float(grad.norm()), rel=1e-6)

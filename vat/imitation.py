@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 
-def _chunks(lead: tuple[int, ...], chunk: int) -> Iterator[tuple[slice, ...]]:
+def anchor_chunks(lead: tuple[int, ...], chunk: int) -> Iterator[tuple[slice, ...]]:
     """Slices over the leading dims ``lead`` covering at most ``chunk`` anchors each: whole rows of the first dim when
     a row fits, else pieces of one row (recursively). Slices keep every dim, so each chunk is a view (no gather)."""
     inner = 1
@@ -33,8 +33,24 @@ def _chunks(lead: tuple[int, ...], chunk: int) -> Iterator[tuple[slice, ...]]:
             yield (slice(start, start + rows),)
         return
     for row in range(lead[0]):
-        for rest in _chunks(lead[1:], chunk):
+        for rest in anchor_chunks(lead[1:], chunk):
             yield (slice(row, row + 1), *rest)
+
+
+def _weighted_grad(z: Tensor, p: Tensor | None, ids: Tensor, coef: Tensor, soft_weight: float,
+                   hard_weight: float) -> Tensor:
+    """``(c.., K, V_d)`` fp32 ``coef · ∂ℓ/∂z`` of one chunk, ``∂ℓ/∂z = soft (q Σp − p) + hard (q − e_y)``: q scaled
+    once in place, p subtracted, e_y scattered (one chunk-sized tensor)."""
+    g = z.float().softmax(-1)  # (c.., K, V_d) q
+    scale = hard_weight * coef
+    if soft_weight:
+        scale = scale + soft_weight * coef * p.sum(-1)
+    g.mul_(scale.unsqueeze(-1))
+    if soft_weight:
+        g.addcmul_(p, (soft_weight * coef).unsqueeze(-1), value=-1.0)
+    if hard_weight:
+        g.scatter_add_(-1, ids.clamp_min(0).unsqueeze(-1), -(hard_weight * coef).unsqueeze(-1))
+    return g
 
 
 class _ChunkedImitation(torch.autograd.Function):
@@ -42,7 +58,7 @@ class _ChunkedImitation(torch.autograd.Function):
     def forward(ctx, logits, probs, ids, imit, soft_weight, hard_weight, chunk):  # noqa: D102
         lead = tuple(logits.shape[:-2])
         out = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)  # (..., K)
-        for index in _chunks(lead, chunk):
+        for index in anchor_chunks(lead, chunk):
             z = logits[index].float()  # (c.., K, V_d)
             lse = z.logsumexp(-1)  # (c.., K)
             per_pos = torch.zeros_like(lse)
@@ -61,20 +77,10 @@ class _ChunkedImitation(torch.autograd.Function):
         logits, probs, ids, imit = ctx.saved_tensors
         soft_weight, hard_weight = ctx.weights
         grad = torch.empty_like(logits)  # (..., K, V_d) in the logits' dtype
-        for index in _chunks(tuple(logits.shape[:-2]), ctx.chunk):
+        for index in anchor_chunks(tuple(logits.shape[:-2]), ctx.chunk):
             coef = torch.where(imit[index], grad_out[index].float(), 0.0)  # (c.., K) dL/dℓ, 0 off the mask
-            g = logits[index].float().softmax(-1)  # (c.., K, V_d) q
-            # ∂ℓ/∂z = soft (q Σp - p) + hard (q - e_y), times coef: q scaled once, p subtracted, e_y scattered
-            scale = hard_weight * coef
-            if soft_weight:
-                p = probs[index]
-                scale = scale + soft_weight * coef * p.sum(-1)
-            g.mul_(scale.unsqueeze(-1))
-            if soft_weight:
-                g.addcmul_(p, (soft_weight * coef).unsqueeze(-1), value=-1.0)
-            if hard_weight:
-                g.scatter_add_(-1, ids[index].clamp_min(0).unsqueeze(-1), -(hard_weight * coef).unsqueeze(-1))
-            grad[index] = g
+            grad[index] = _weighted_grad(logits[index], probs[index] if soft_weight else None, ids[index], coef,
+                                         soft_weight, hard_weight)
         return grad, None, None, None, None, None, None
 
 
@@ -106,3 +112,33 @@ def chunked_imitation(
     probs = target_probs if soft_weight else draft_logits.new_empty(0)  # empty: never read
     return _ChunkedImitation.apply(draft_logits, probs, target_ids, imit.bool(), float(soft_weight),
                                    float(hard_weight), int(chunk))
+
+
+@torch.no_grad()
+def imitation_grad_norm(
+    draft_logits: Tensor,
+    target_probs: Tensor | None,
+    target_ids: Tensor,
+    coef: Tensor,
+    soft_weight: float,
+    hard_weight: float,
+    chunk: int,
+) -> Tensor:
+    """``()`` fp32 ``‖∂/∂z Σ coef·ℓ‖``: the norm of the weighted imitation term's gradient on the draft logits, a chunk
+    of anchors at a time (the gradient itself is never whole: at DFlash's full vocab it would be M·K·V fp32).
+
+    Args:
+        draft_logits: ``(..., K, V_d)``.
+        target_probs: ``(..., K, V_d)`` fp32 (read only when ``soft_weight``).
+        target_ids: ``(..., K)`` int64 draft ids of the target argmax.
+        coef: ``(..., K)`` fp32 weight of each position's ``ℓ`` in the term (0 off the imitation mask).
+        soft_weight: soft CE weight.
+        hard_weight: hard CE weight.
+        chunk: anchors per chunk, >= 1.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=draft_logits.device)
+    for index in anchor_chunks(tuple(draft_logits.shape[:-2]), chunk):
+        p = target_probs[index] if soft_weight else None
+        total += _weighted_grad(draft_logits[index], p, target_ids[index], coef[index].float(), soft_weight,
+                                hard_weight).square().sum()
+    return total.sqrt()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vat.errors import VatError
-from vat.imitation import chunked_imitation
+from vat.imitation import chunked_imitation, imitation_grad_norm
 from vat.union_scale import UNION_SCALE_MAX, UnionScale, batch_norms, effective_lambda
 from vat.verify import ACCEPTANCE_RULES, TargetDist, VerificationResult, simulate_verification
 
@@ -535,15 +535,21 @@ def _imitation_weights(
     return _ImitationWeights(imit, wm, weight_sum, anchors, denom)
 
 
+def _chunk_anchors(draft_logits: Tensor, switches: LossSwitches) -> int:
+    """Anchors per chunk: ``imitation_chunk_mb`` MiB of fp32 ``(K, V_d)`` rows each (all anchors when None)."""
+    K, Vd = draft_logits.shape[-2:]
+    if switches.imitation_chunk_mb is None:
+        return max(1, draft_logits[..., 0, 0].numel())
+    return max(1, int(switches.imitation_chunk_mb * 2**20 // (K * Vd * 4)))
+
+
 def _imitation_per_position(draft_logits: Tensor, target: TargetDist, imit: Tensor, switches: LossSwitches) -> Tensor:
     """``(..., K)`` unweighted imitation loss ``soft_weight·ℓ_soft + hard_weight·ℓ_hard``, 0 off the imitation mask:
     a chunk of anchors at a time (:func:`vat.imitation.chunked_imitation`, ``imitation_chunk_mb`` of fp32 per chunk)
     or, with ``imitation_chunk_mb`` None, through autograd (the reference)."""
     if switches.imitation_chunk_mb is not None:
-        K, Vd = draft_logits.shape[-2:]
-        anchors = max(1, int(switches.imitation_chunk_mb * 2**20 // (K * Vd * 4)))  # one anchor: K·V_d fp32 values
         return chunked_imitation(draft_logits, target.probs, target.argmax_draft, imit, switches.soft_weight,
-                                 switches.hard_weight, anchors)
+                                 switches.hard_weight, _chunk_anchors(draft_logits, switches))
     logq = draft_logits.float().log_softmax(-1)  # (..., K, V_d)
     per_pos = torch.zeros_like(logq[..., 0])  # (..., K)
     if switches.soft_weight:
@@ -663,9 +669,10 @@ def _union_scale(
     state = pull.state
     measured = state is None or state.needs_norms or pull.measure
     if measured:
-        g_imit = imitation_logit_grad(u.logits.detach(), u.target, u.wm, switches, denom)
+        imit_norm = imitation_grad_norm(u.logits.detach(), u.target.probs, u.target.argmax_draft, u.wm / denom,
+                                        switches.soft_weight, switches.hard_weight, _chunk_anchors(u.logits, switches))
         (g_union,) = torch.autograd.grad(penalty, u.logits, retain_graph=True)
-        imit_norm, union_norm = batch_norms(g_imit.norm(), g_union.detach().float().norm(), pull.anchors,
+        imit_norm, union_norm = batch_norms(imit_norm, g_union.detach().float().norm(), pull.anchors,
                                             u.anchor_valid.float().sum())
         raw = union_grad_scale(imit_norm, union_norm)
         metrics["union_scale_raw_sum"] = raw.detach()
@@ -682,34 +689,6 @@ def _union_scale(
         metrics["union_lambda_eff_sum"] = effective_lambda(switches.union_weight, scale, imit_norm, union_norm)
         metrics["union_lambda_eff_count"] = one
     return scale
-
-
-@torch.no_grad()
-def imitation_logit_grad(
-    draft_logits: Tensor, target: TargetDist, weights: Tensor, switches: LossSwitches, denom: Tensor
-) -> Tensor:
-    """Gradient of :func:`vat_objective`'s imitation term with respect to the draft logits, in closed form.
-
-    ``∂/∂z [ŵ (s·ℓ_soft + h·ℓ_hard) / D] = ŵ/D · (s (softmax z - p) + h (softmax z - e_y))`` per position.
-
-    Args:
-        draft_logits: ``(..., K, V_d)``.
-        target: :class:`TargetDist` with fields ``(..., K[, V_d])``.
-        weights: ``(..., K)`` adaptive or base weights times the imitation mask.
-        switches: the soft and hard weights.
-        denom: ``()`` D, the imitation term's divisor (N anchors, or the weight sum), clamped positive.
-
-    Returns:
-        ``(..., K, V_d)`` fp32.
-    """
-    q = draft_logits.float().softmax(-1)  # (..., K, V_d)
-    grad = torch.zeros_like(q)
-    if switches.soft_weight:
-        grad += switches.soft_weight * (q - target.probs)
-    if switches.hard_weight:
-        onehot = torch.zeros_like(q).scatter_(-1, target.argmax_draft.clamp_min(0).unsqueeze(-1), 1.0)
-        grad += switches.hard_weight * (q - onehot)
-    return grad * (weights / denom).unsqueeze(-1)
 
 
 def union_grad_scale(imitation_grad: Tensor, union_grad: Tensor) -> Tensor:

@@ -89,7 +89,7 @@ class Trainer(TrainLoop):
         self.nonfinite_total = 0
         self.nonfinite_streak = 0
         self.tracker = None
-        self.vh_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (VH logits, survival) since the last log
+        self.vh_pairs: list[tuple[torch.Tensor, ...]] = []  # (VH logits, survival, observed) since the last log
         self.pending_routing: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (rows, topk_ids), per batch
         self.sharded = False
         self.kind = drafter_kind(cfg.drafter.kind)  # an unknown kind stops here, before anything loads
@@ -357,9 +357,9 @@ class Trainer(TrainLoop):
             union_anchors=self._union_anchors(verification.anchor_valid) if union else None,
             union_scale=self.union_scale, measure_pull=self._logs_at(self.step + 1),
         )
-        if vh_logits is not None:  # kept for an exact AUC over the logging window
-            mask = verification.valid
-            self.vh_pairs.append((vh_logits.detach()[mask].float(), verification.survival.detach()[mask].float()))
+        if vh_logits is not None:  # kept for an exact AUC over the logging window (masked there: no sync per batch)
+            self.vh_pairs.append((vh_logits.detach().float(), verification.survival.detach().float(),
+                                  verification.valid.detach()))
         rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
         # the table learns natural routing (docs/vat_losses.md): under a budget, each router's own top-k of this same forward
         # (captured before the budget rerouted it), not the budgeted ids the union term's anchor routing uses
@@ -518,8 +518,8 @@ class Trainer(TrainLoop):
 
     def _vh_auc(self) -> float:
         """Exact ROC AUC of the verification head over every rank's positions since the last log."""
-        scores = torch.cat([p[0] for p in self.vh_pairs]).to(self.device)
-        labels = torch.cat([p[1] for p in self.vh_pairs]).to(self.device)
+        scores = torch.cat([p[0][p[2]] for p in self.vh_pairs]).to(self.device)  # observed positions only
+        labels = torch.cat([p[1][p[2]] for p in self.vh_pairs]).to(self.device)
         self.vh_pairs.clear()
         if self.accelerator.num_processes > 1:
             scores = self.accelerator.pad_across_processes(scores, pad_index=float("nan"))
