@@ -16,7 +16,8 @@ from helpers import make_eagle3_draft
 from vat.errors import VatError
 from vat.eval.commitment import load_commitment
 from vat.eval.quality import response_kl
-from vat.eval.run import parse_budgets, run_eval
+from vat.eval.config import parse_budgets
+from vat.eval.run import run_eval
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

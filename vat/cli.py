@@ -176,57 +176,57 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         description="Runs chain / tree / block speculative decoding on the target with a KV cache and writes "
         "DIR/eval.json, DIR/generations.jsonl, DIR/report.md and PNG plots. `--draft ngram` is training-free prompt "
         "lookup (vLLM's ngram rule), `--draft suffix` suffix decoding (vLLM's method: suffix), in the same engine; "
-        "the autoregressive baseline always runs.",
+        "the autoregressive baseline always runs. Every setting's default: vat.eval.config.EvalConfig "
+        "(docs/eval.md).",
+        argument_default=argparse.SUPPRESS,
     )
     p.add_argument("--target", default=None, help="target path, or `tiny` (default: the one the draft was trained for; "
                    "required when no trained draft is given)")
     p.add_argument("--draft", action="append", default=None, help="draft dir (vat final/, SGLang or speculators "
                    "export, DFlash draft), a free draft (`ngram`, `ngram-{vllm|recent}-MIN-MAX`, `suffix`, `suffix-dDEPTH`, "
                    "`suffix-local`) or `none`; repeatable")
-    p.add_argument("--benchmark", action="append", default=None, help=BENCHMARK_HELP + "; repeatable")
-    p.add_argument("--steps", type=int, default=7, help="chain length K (a DFlash draft drafts block_size - 1 per round)")
-    p.add_argument("--tree", default=None, help="dynamic tree as top_k,depth,total_tokens (e.g. 8,6,48)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--budget", default=None, help="comma list of budgets, `none` = natural routing: none,8,4; `auto` = "
+    # the settings' flags: unset ones are absent from args and take vat.eval.config.EvalConfig's default, and its
+    # checks reject a bad choice in one line (defaults and choices are stated there only)
+    p.add_argument("--benchmark", action="append", help=BENCHMARK_HELP + "; repeatable (default spec_bench)")
+    p.add_argument("--steps", type=int, help="chain length K (a DFlash draft drafts block_size - 1 per round)")
+    p.add_argument("--tree", help="dynamic tree as top_k,depth,total_tokens (e.g. 8,6,48)")
+    p.add_argument("--temperature", type=float, help="0 = greedy; > 0 = lossless speculative sampling")
+    p.add_argument("--budget", help="comma list of budgets, `none` = natural routing: none,8,4; `auto` = "
                    "AcceptMoE's self-sized set (default: none; auto with --policy acceptmoe)")
-    p.add_argument("--policy", default=DEFAULT_BUDGET_POLICY, choices=[*TRAINING_BUDGET_POLICIES, "acceptmoe"],
-                   help="budget policy: substitute / truncate = MoE-Spec (top-B experts by summed router score; truncate "
-                   "gives out-of-set experts zero weight, as the paper; truncate_cover rescales and substitutes "
-                   "tokens left without experts); "
-                   "acceptmoe = AcceptMoE (commitment-weighted demand, root anchor, self-sized with --budget auto or "
-                   "|S| = B with an int; changes the output) (default substitute)")
-    p.add_argument("--commitment", default=None, help="AcceptMoE's p̂_d (probability that depth d is on the accepted "
-                   "path): an eval.json of the same draft (its acceptance by position at budget none) or a JSON list "
-                   "[p_1, p_2, ...]; default the prior 0.8^d")
-    p.add_argument("--vh-threshold", type=float, default=None, help="stop drafting (truncate a DFlash block) when the "
+    p.add_argument("--policy", help="budget policy: substitute / truncate = MoE-Spec (top-B experts by summed router "
+                   "score; truncate gives out-of-set experts zero weight, as the paper; truncate_cover rescales and "
+                   "substitutes tokens left without experts); acceptmoe = AcceptMoE (commitment-weighted demand, root "
+                   "anchor, self-sized with --budget auto or |S| = B with an int; changes the output)")
+    p.add_argument("--commitment", help="AcceptMoE's p̂_d (probability that depth d is on the accepted path): an "
+                   "eval.json of the same draft (its acceptance by position at budget none) or a JSON list [p_1, p_2, "
+                   "...]; default the prior 0.8^d")
+    p.add_argument("--vh-threshold", type=float, help="stop drafting (truncate a DFlash block) when the "
                    "verification head predicts rejection")
-    p.add_argument("--tree-policy", default="confidence", choices=["confidence", "evict", "ecospec"],
-                   help="which drafted tokens are verified: confidence = all (the chain / EAGLE tree as drafted); "
-                   "evict = EVICT: truncate the chain, block or tree to the prefix with the most expected accepted "
-                   "tokens per modeled verification cost (lossless); ecospec = EcoSpec: tree nodes chosen by draft "
-                   "log-probability minus --ecospec-lambda x predicted new experts per layer (lossless; needs --tree) "
-                   "(default confidence)")
-    p.add_argument("--ecospec-lambda", type=float, default=1.0, help="EcoSpec's trade-off: nats of draft "
-                   "log-probability one predicted new expert per layer costs; 0 = confidence selection (default 1.0)")
-    p.add_argument("--affinity", default=None, help="EcoSpec's expert predictor: an affinity table (`vat prep affinity "
-                   "--target ...` output, or a draft's affinity.safetensors); default each draft's own")
-    p.add_argument("--verify-cost", default=None, help="EVICT's verification-cost profile (profile.json of `vat "
-                   "profile --verify-widths`); default: profiled on the fly on the first benchmark's first prompts")
-    p.add_argument("--cost-model", default=None, help="roofline cost model: h100 | h200 | a100 | l40s (data-sheet HBM "
-                   "bandwidth and bf16 FLOPs); adds modeled tokens/s and speed-up over AR to eval.json and the report")
-    p.add_argument("--served-dtype", default="bfloat16", help="dtype the cost model prices weights and KV in "
-                   "(bfloat16 | float16 | float32 | fp8; default bfloat16, whatever dtype the eval runs in)")
-    p.add_argument("--ngram-n", type=int, default=3, help="ngram draft: longest suffix matched, as vLLM's prompt_lookup_max (default 3)")
-    p.add_argument("--ngram-min", type=int, default=1, help="ngram draft: shortest suffix matched, as vLLM's prompt_lookup_min (default 1)")
-    p.add_argument("--ngram-rule", default="vllm", choices=["vllm", "recent"], help="ngram draft: copy after the "
-                   "earliest occurrence of the matched suffix (vllm, as vLLM's proposer) or the latest (recent) "
-                   "(default vllm)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
-    p.add_argument("--reference-cache", default=None, help="directory that keeps the natural greedy decode of each "
-                   "benchmark between evals: budgeted runs read it instead of an extra AR pass (greedy only)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree-policy", help="which drafted tokens are verified: confidence = all (the chain / EAGLE tree "
+                   "as drafted); evict = EVICT: truncate the chain, block or tree to the prefix with the most expected "
+                   "accepted tokens per modeled verification cost (lossless); ecospec = EcoSpec: tree nodes chosen by "
+                   "draft log-probability minus --ecospec-lambda x predicted new experts per layer (lossless; needs "
+                   "--tree)")
+    p.add_argument("--ecospec-lambda", type=float, help="EcoSpec's trade-off: nats of draft log-probability one "
+                   "predicted new expert per layer costs; 0 = confidence selection")
+    p.add_argument("--affinity", help="EcoSpec's expert predictor: an affinity table (`vat prep affinity --target ...` "
+                   "output, or a draft's affinity.safetensors); default each draft's own")
+    p.add_argument("--verify-cost", help="EVICT's verification-cost profile (profile.json of `vat profile "
+                   "--verify-widths`); default: profiled on the fly on the first benchmark's first prompts")
+    p.add_argument("--cost-model", help="roofline cost model: h100 | h200 | a100 | l40s (data-sheet HBM bandwidth and "
+                   "bf16 FLOPs); adds modeled tokens/s and speed-up over AR to eval.json and the report")
+    p.add_argument("--served-dtype", help="dtype the cost model prices weights and KV in (bfloat16 | float16 | float32 "
+                   "| fp8, whatever dtype the eval runs in)")
+    p.add_argument("--ngram-n", type=int, help="ngram draft: longest suffix matched, as vLLM's prompt_lookup_max")
+    p.add_argument("--ngram-min", type=int, help="ngram draft: shortest suffix matched, as vLLM's prompt_lookup_min")
+    p.add_argument("--ngram-rule", help="ngram draft: copy after the earliest occurrence of the matched suffix "
+                   "(vllm, as vLLM's proposer) or the latest (recent)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens generated per turn")
+    p.add_argument("--limit", type=int, help="prompts per benchmark")
+    p.add_argument("--reference-cache", help="directory that keeps the natural greedy decode of each benchmark "
+                   "between evals: budgeted runs read it instead of an extra AR pass (greedy only)")
+    p.add_argument("--batch-size", type=int, help="only 1 (prompts are decoded one at a time)")
+    p.add_argument("--seed", type=int, help="seeds every sampled prompt / turn")
     p.add_argument("--output", required=True, help="output directory")
     _add_target_options(p)
     p.set_defaults(func=_dispatch("vat.eval.run:main"))

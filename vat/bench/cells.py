@@ -28,8 +28,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from vat.config import DEFAULT_BUDGET_POLICY, VatConfig, load_config
+from vat.config import VatConfig, load_config
 from vat.errors import VatError
+from vat.eval.config import EVAL_DEFAULTS
 from vat.eval.run import run_eval
 from vat.paths import resolve_recipe as packaged_recipe
 from vat.target.model import resolve_target_path
@@ -264,8 +265,8 @@ def _write_json(path: str, data: Any) -> None:
 
 # eval keys beside the original six, with the value that leaves `vat eval` as it was: a setting at its default is
 # left out of the settings (and so of every fingerprint), so benches that never set one keep their finished cells
-EVAL_VARIANT_DEFAULTS = {"tree": None, "tree_policy": "confidence", "verify_cost": None, "policy": DEFAULT_BUDGET_POLICY,
-                         "vh_threshold": None, "cost_model": None}
+EVAL_VARIANT_DEFAULTS = {key: getattr(EVAL_DEFAULTS, key)
+                         for key in ("tree", "tree_policy", "verify_cost", "policy", "vh_threshold", "cost_model")}
 
 
 def method_eval(bench: Any, method: str | None) -> dict:

@@ -16,13 +16,10 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from vat.config import DEFAULT_BUDGET_POLICY, _all_keys, _check_keys, closest_hint, load_yaml_mapping
+from vat.config import _all_keys, _check_keys, closest_hint, load_yaml_mapping
 from vat.errors import VatError
-from vat.eval.cost import get_accelerator
+from vat.eval.config import EVAL_DEFAULTS, check_eval_section
 from vat.eval.free_drafts import DEFAULT_GRID, GRID_NAME, expand_baselines, parse_free_draft
-from vat.eval.run import TREE_POLICIES
-from vat.eval.tree import TreeSpec
-from vat.target.budget import POLICIES
 
 BENCH_BASELINES = ("ngram", "none")  # the default baselines: prompt lookup (vLLM's rule) and autoregressive
 
@@ -34,6 +31,8 @@ def _names_free_draft(name: str) -> bool:
         return False
 
 
+# the bench's eval section: a subset of vat.eval.config.EvalConfig's fields (tested), with the EvalConfig's defaults
+# except where a bench differs on purpose (two benchmarks, 120 prompts, 64 new tokens, a list of budgets)
 @dataclass
 class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's eval.* value); part of the cell's key
     steps: Optional[int] = None  # chain length K
@@ -60,15 +59,15 @@ class BenchEvalConfig:
     benchmarks: list[str] = field(default_factory=lambda: ["spec_bench", "humaneval"])
     limit: Optional[int] = 120  # prompts per benchmark (balanced over Spec-Bench's categories); null = all
     max_new_tokens: int = 64  # per turn
-    steps: int = 7  # chain length K
+    steps: int = EVAL_DEFAULTS.steps  # chain length K
     budgets: list[Optional[int]] = field(default_factory=lambda: [None])  # expert budgets B; null = natural routing
-    temperature: float = 0.0  # 0 = greedy (lossless)
-    tree: Optional[str] = None  # dynamic tree "top_k,depth,total_tokens"; null = chain of `steps`
-    tree_policy: str = "confidence"  # confidence | evict (| ecospec): which drafted tokens are verified
-    verify_cost: Optional[str] = None  # EVICT's verification-cost profile; null = profiled on the fly
-    policy: str = DEFAULT_BUDGET_POLICY  # budget policy
-    vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
-    cost_model: Optional[str] = None  # roofline accelerator: adds modeled tokens/s and speed-up over AR (vat eval)
+    temperature: float = EVAL_DEFAULTS.temperature  # 0 = greedy (lossless)
+    tree: Optional[str] = EVAL_DEFAULTS.tree  # dynamic tree "top_k,depth,total_tokens"; null = chain of `steps`
+    tree_policy: str = EVAL_DEFAULTS.tree_policy  # which drafted tokens are verified (vat.eval.config)
+    verify_cost: Optional[str] = EVAL_DEFAULTS.verify_cost  # EVICT's verification-cost profile; null = on the fly
+    policy: str = EVAL_DEFAULTS.policy  # budget policy
+    vh_threshold: Optional[float] = EVAL_DEFAULTS.vh_threshold  # stop drafting on the verification head's signal
+    cost_model: Optional[str] = EVAL_DEFAULTS.cost_model  # roofline accelerator: modeled tokens/s and speed-up
 
 
 @dataclass
@@ -238,20 +237,9 @@ def _check_bench(cfg: Any) -> None:
 
 
 def _check_bench_eval(cfg: Any) -> None:
-    """The eval variants (bench ``eval.*`` and each method's ``eval`` overrides) name things `vat eval` knows."""
+    """The eval variants (bench ``eval.*`` and each method's ``eval`` overrides) name things `vat eval` knows: the
+    eval config's own choices (:func:`vat.eval.config.check_eval_section`)."""
     sections = [("eval", cfg.eval)] + [(f"methods.{label}.eval", m.eval) for label, m in cfg.methods.items()]
     for where, ev in sections:
-        if ev.policy is not None and ev.policy not in POLICIES:
-            raise VatError(f"bad value `{ev.policy}` for bench config key `{where}.policy`: one of "
-                           f"{', '.join(POLICIES)}")
-        if ev.tree_policy is not None and ev.tree_policy not in TREE_POLICIES:
-            raise VatError(f"bad value `{ev.tree_policy}` for bench config key `{where}.tree_policy`: one of "
-                           f"{', '.join(TREE_POLICIES)}")
-        if ev.tree is not None and str(ev.tree).lower() != "chain":
-            TreeSpec.parse(ev.tree)
-        if ev.cost_model is not None:
-            get_accelerator(ev.cost_model)
-        budgets = ev.budgets if ev.budgets is not None else [None]
-        if not budgets or not all(b is None or b == "auto" or (isinstance(b, int) and b >= 1) for b in budgets):
-            raise VatError(f"bad value `{list(budgets)}` for bench config key `{where}.budgets`: budgets >= 1, null "
-                           "or auto (a self-sized set, policy acceptmoe)")
+        check_eval_section(where, policy=ev.policy, tree_policy=ev.tree_policy, tree=ev.tree,
+                           cost_model=ev.cost_model, budgets=list(ev.budgets) if ev.budgets is not None else [None])

@@ -22,19 +22,27 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from vat.config import DEFAULT_BUDGET_POLICY
 from vat.drafters.dflash import DFlashDrafter, check_dflash_matches_target
 from vat.drafters.eagle3 import Eagle3Drafter, check_draft_matches_target
 from vat.errors import VatError
 from vat.eval.benchmarks import load_benchmark
 from vat.eval.commitment import load_commitment
+from vat.eval.config import (
+    EVAL_FIELDS,
+    NO_BUDGET,
+    SELF_SIZED,
+    CheckedEval,
+    EvalConfig,
+    check_eval_config,
+    eval_config,
+)
 from vat.eval.cost import CostModel, add_costs, draft_shape, get_accelerator, pooled_cost, served_bytes_of, target_shape
 from vat.eval.ecospec import AFFINITY_FILE, EcoSpec, ExpertPredictor
 from vat.eval.engine import SpeculativeEngine
 from vat.eval.evict import Evict
 from vat.eval.free_drafts import is_free_draft, parse_free_draft
 from vat.eval.metrics import PromptRun, by_category, prompt_counts, prompt_totals, set_speedups, summarize
-from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, NgramSpec
+from vat.eval.ngram import NgramSpec
 from vat.eval.prompts import decode, eos_token_ids, render_chat
 from vat.eval.quality import (
     add_counts,
@@ -51,13 +59,10 @@ from vat.eval.tree import TreeSpec
 from vat.eval.verify_cost import DEFAULT_WIDTHS, build_verify_cost, load_verify_cost, own_texts
 from vat.export.checkpoint import load_draft
 from vat.target import FrozenTarget, load_target
-from vat.target.budget import POLICIES, AcceptMoESpec
+from vat.target.budget import AcceptMoESpec
 
 AR_LABEL = "none"
-NO_BUDGET = "none"
 EVAL_FORMAT_VERSION = 1
-TREE_POLICIES = ("confidence", "evict", "ecospec")  # how the drafted chain / tree is chosen before verification
-SELF_SIZED = "auto"  # the budget of a policy that sizes its expert set itself (acceptmoe)
 
 
 @dataclass
@@ -93,32 +98,6 @@ class RunConfig:
     @property
     def budget_label(self) -> str:
         return NO_BUDGET if self.budget is None else str(self.budget)
-
-
-# ---- argument parsing -----------------------------------------------------------------------------------------------
-
-
-def parse_budgets(text: str | None) -> list[int | str | None]:
-    """``"none,8,4"`` -> ``[None, 8, 4]`` (order kept, duplicates dropped); ``auto`` = a self-sized set (acceptmoe)."""
-    out: list[int | None] = []
-    for part in str(text or NO_BUDGET).split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        if part in ("none", "null", "off"):
-            value = None
-        elif part == SELF_SIZED:
-            value = SELF_SIZED
-        else:
-            try:
-                value = int(part)
-            except ValueError:
-                raise VatError(f"--budget takes a comma list of integers, `none` or `auto`, got `{part}`") from None
-            if value < 1:
-                raise VatError(f"expert budget must be >= 1, got {value}")
-        if value not in out:
-            out.append(value)
-    return out or [None]
 
 
 def _draft_label(path: str, taken: set[str]) -> str:
@@ -304,37 +283,13 @@ def run_eval(
     *,
     target: Any = None,
     drafts: list[Any] | tuple = (AR_LABEL,),
-    benchmarks: list[str] | tuple = ("spec_bench",),
-    steps: int = 7,
-    tree: str | TreeSpec | None = None,
-    temperature: float = 0.0,
-    budgets: str | list[int | None] = NO_BUDGET,
-    policy: str = DEFAULT_BUDGET_POLICY,
-    vh_threshold: float | None = None,
-    tree_policy: str = "confidence",
-    verify_cost: str | None = None,
-    cost_model: str | None = None,
-    served_dtype: str = "bfloat16",
-    ecospec_lambda: float = 1.0,
-    affinity: str | None = None,
-    commitment: str | None = None,
-    ngram_n: int = DEFAULT_N_MAX,
-    ngram_min: int = DEFAULT_N_MIN,
-    ngram_rule: str = "vllm",
-    max_new_tokens: int = 256,
-    limit: int | None = None,
-    batch_size: int = 1,
-    seed: int = 0,
+    config: EvalConfig | None = None,
     output: str | None = None,
     tokenizer: Any = None,
-    dtype: str = "auto",
-    device: str | None = None,
-    experts_impl: str | None = None,
-    device_map: str | None = None,
     progress: bool = True,
     plots: bool = True,
     autoregressive: bool = True,
-    reference_cache: str | None = None,
+    **settings: Any,
 ) -> dict:
     """Evaluate drafts by real speculative decoding; write ``output/`` when given; return the eval.json dict.
 
@@ -342,68 +297,27 @@ def run_eval(
         target: target path (``tiny`` for the embedded one), a loaded ``FrozenTarget`` or model; None = the path the
             first draft records (``target_path``).
         drafts: draft directories (vat ``final/``, SGLang or speculators EAGLE-3 exports, DFlash drafts in the DFlash
-            release layout), ``Eagle3Drafter`` / ``DFlashDrafter`` objects,
-            ``ngram`` (training-free prompt lookup, label ``ngram``; an :class:`NgramSpec` works too) or ``none``
+            release layout), ``Eagle3Drafter`` / ``DFlashDrafter`` objects, free drafts by name (``ngram``,
+            ``ngram-vllm-1-3``, ``suffix``: :mod:`vat.eval.free_drafts`; an :class:`NgramSpec` works too) or ``none``
             (the AR baseline always runs); a ``(label, draft)`` pair names the draft in every output (default: its
             directory).
-        benchmarks: names or files for :func:`vat.eval.benchmarks.load_benchmark`.
-        steps: chain length K (a DFlash draft drafts its own ``block_size - 1`` per round).
-        tree: ``"top_k,depth,total_tokens"`` or a :class:`TreeSpec` for dynamic trees (None = chain).
-        temperature: 0 = greedy, > 0 = rejection sampling.
-        budgets: ``"none,8,4"`` or a list (None = natural routing); each is a separate pass per draft. ``auto`` (with
-            policy ``acceptmoe``) = AcceptMoE's self-sized expert set; an int with ``acceptmoe`` fixes |S|.
-        policy: ``substitute``, ``truncate`` (MoE-Spec) or ``acceptmoe`` (AcceptMoE, :mod:`vat.eval.commitment`).
-        vh_threshold: stop drafting when the verification head's probability falls below this.
-        tree_policy: which drafted tokens are verified: ``confidence`` (all of them: today's chain / EAGLE tree) or
-            ``evict`` (EVICT: truncated to the prefix with the best expected tokens per modeled verification cost,
-            :mod:`vat.eval.evict`; lossless).
-        verify_cost: EVICT's verification-cost profile (``vat profile --verify-widths`` output); None = profiled on
-            the fly on the first benchmark's first prompts (the target's own greedy answers to them).
-        cost_model: accelerator of the roofline cost model (``h100``, ``h200``, ``a100``, ``l40s``): adds modeled
-            tokens/s and speed-up over AR (``cost``) to every metrics entry. EVICT prices with it (default h200).
-        served_dtype: the dtype the cost model prices weights and KV in (``bfloat16``; the CPU eval's fp32 aside).
-        ecospec_lambda: EcoSpec's λ (``tree_policy="ecospec"``): nats of draft log-probability one predicted new
-            expert per layer costs (:mod:`vat.eval.ecospec`).
-        affinity: EcoSpec's expert predictor, an affinity table (``vat prep affinity`` output, or a draft's
-            ``affinity.safetensors``); None = each draft's own ``affinity.safetensors``.
-        commitment: AcceptMoE's p̂_d (``policy="acceptmoe"``): an eval.json of the same draft or a JSON list
-            (:mod:`vat.eval.commitment`); None = the prior 0.8^d.
-        ngram_n: longest suffix the ``ngram`` draft matches (vLLM's ``prompt_lookup_max``).
-        ngram_min: shortest suffix it matches (vLLM's ``prompt_lookup_min``).
-        ngram_rule: which earlier occurrence it copies (``vllm``: the earliest; ``recent``: the latest).
-        max_new_tokens: tokens generated per turn.
-        limit: prompts per benchmark.
-        batch_size: only 1 (prompts are decoded one at a time).
-        seed: seeds every sampled prompt/turn deterministically.
+        config: the evaluation's settings (:class:`vat.eval.config.EvalConfig`; None = its defaults).
         output: directory for eval.json, generations.jsonl, report.md and PNGs (None = write nothing).
         tokenizer: tokenizer object or path (default: the target's directory).
-        dtype: target dtype (``auto`` = bf16 on GPU, fp32 on CPU).
-        device: target device (default CUDA if available).
-        experts_impl: experts forward of every MoE layer: ``grouped_mm`` | ``eager`` | ``batched_mm`` | ``triton``
-            (vat's budget-aware kernel). None = ``grouped_mm`` when loading a path, unchanged for a loaded target.
-            Recorded in ``target_info``: the measured tokens/s of a budgeted run are this implementation's.
-        device_map: e.g. ``auto`` to shard the target across the node's GPUs (overrides ``device``).
         progress: show tqdm bars.
         plots: write the PNGs (with ``output``).
         autoregressive: also decode every prompt autoregressively (the ``speedup_vs_ar`` denominator); False skips
             that pass unless ``none`` is among ``drafts`` (``vat bench`` measures AR once, as its own cell).
-        reference_cache: directory that keeps the natural greedy decode of every benchmark between evaluations
-            (:mod:`vat.eval.reference_cache`): greedy runs at natural routing write it, budgeted runs that would
-            otherwise decode it again read it. None = no cache.
+        **settings: :class:`EvalConfig` fields replacing the config's (``steps=3, budgets="none,8"``); an unknown
+            name stops in one line.
 
     Returns:
         The eval.json dict (schema in ``docs/eval.md``).
     """
-    settings = _check_settings(batch_size=batch_size, steps=steps, temperature=temperature, tree=tree,
-                               tree_policy=tree_policy, verify_cost=verify_cost, cost_model=cost_model,
-                               served_dtype=served_dtype, budgets=budgets, affinity=affinity, policy=policy,
-                               commitment=commitment)
+    checked = check_eval_config(eval_config(config, **settings))
+    cfg = checked.config
     start = time.time()
-    run = _set_up(target, drafts, settings, ngram=NgramSpec(n_max=ngram_n, n_min=ngram_min, rule=ngram_rule),
-                  vh_threshold=vh_threshold, ecospec_lambda=ecospec_lambda, affinity=affinity, commitment=commitment,
-                  tokenizer=tokenizer, dtype=dtype, device=device, experts_impl=experts_impl, device_map=device_map,
-                  autoregressive=autoregressive, max_new_tokens=max_new_tokens, seed=seed, progress=progress,
-                  reference_cache=reference_cache)
+    run = _set_up(target, drafts, checked, tokenizer=tokenizer, autoregressive=autoregressive, progress=progress)
     collected = _Collected()
     gen_file = None
     if output:
@@ -411,62 +325,16 @@ def run_eval(
         gen_file = open(os.path.join(output, "generations.jsonl"), "w")
     saved_aux_ids = list(run.target.aux_layer_ids)  # each draft sets the features it reads; restored below
     try:
-        for spec in benchmarks:
-            _evaluate_benchmark(run, spec, limit, gen_file, collected)
+        for spec in cfg.benchmarks:
+            _evaluate_benchmark(run, spec, cfg.limit, gen_file, collected)
     finally:
         run.target.aux_layer_ids = saved_aux_ids
         if gen_file is not None:
             gen_file.close()
-    recorded = _settings_record(run, vh_threshold=vh_threshold, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
-                                ecospec_lambda=ecospec_lambda, affinity=affinity, commitment=commitment)
-    result = _result(run, collected, recorded, device_map=device_map, seconds=time.time() - start)
+    result = _result(run, collected, _settings_record(run), seconds=time.time() - start)
     if output:
         write_outputs(result, output, plots=plots)
     return result
-
-
-@dataclass
-class _Settings:
-    """``run_eval``'s checked settings that the passes share (the rest are recorded as given)."""
-
-    steps: int
-    temperature: float
-    tree: TreeSpec | None
-    tree_policy: str
-    verify_cost: str | None
-    cost_model: str | None
-    served_dtype: str
-    budgets: list[int | str | None]
-    policy: str
-
-
-def _check_settings(*, batch_size: int, steps: int, temperature: float, tree, tree_policy: str,
-                    verify_cost: str | None, cost_model: str | None, served_dtype: str, budgets, affinity,
-                    policy: str, commitment) -> _Settings:
-    """Every setting checked before anything loads: one clear line for the first bad one."""
-    if batch_size != 1:
-        raise VatError(
-            f"--batch-size {batch_size}: vat eval decodes one prompt at a time (batch size 1, as EAGLE's and "
-            "Spec-Bench's speed measurements do); drop the flag"
-        )
-    if steps < 1:
-        raise VatError(f"--steps must be >= 1, got {steps}")
-    if temperature < 0:
-        raise VatError(f"--temperature must be >= 0, got {temperature}")
-    tree_spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
-    if tree_policy not in TREE_POLICIES:
-        raise VatError(f"--tree-policy `{tree_policy}`: one of {', '.join(TREE_POLICIES)}")
-    if verify_cost is not None and tree_policy != "evict":
-        raise VatError("--verify-cost is EVICT's profile: add --tree-policy evict")
-    if cost_model is not None:
-        get_accelerator(cost_model), served_bytes_of(served_dtype)  # bad names stop before anything loads
-    if verify_cost is not None and not os.path.exists(verify_cost):
-        raise VatError(f"--verify-cost {verify_cost}: no such file (write it with `vat profile --verify-widths ...`)")
-    budget_list = parse_budgets(budgets) if isinstance(budgets, str) else list(budgets)
-    _check_policies(tree_spec, tree_policy, affinity, policy, budget_list, commitment)
-    return _Settings(steps=steps, temperature=temperature, tree=tree_spec, tree_policy=tree_policy,
-                     verify_cost=verify_cost, cost_model=cost_model, served_dtype=served_dtype, budgets=budget_list,
-                     policy=policy)
 
 
 @dataclass
@@ -475,7 +343,7 @@ class _Run:
     (draft x budget), and the cost model / EVICT profile (EVICT's, when profiled on the fly, is set by the first
     benchmark)."""
 
-    settings: _Settings
+    settings: CheckedEval
     target: Any
     tok: Any
     eos: Any
@@ -507,17 +375,16 @@ class _Collected:
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # what load_benchmark read each one from
 
 
-def _set_up(target, drafts, settings: _Settings, *, ngram: NgramSpec, vh_threshold, ecospec_lambda, affinity,
-            commitment, tokenizer, dtype, device, experts_impl, device_map, autoregressive: bool,
-            max_new_tokens: int, seed: int, progress: bool, reference_cache: str | None) -> _Run:
+def _set_up(target, drafts, settings: CheckedEval, *, tokenizer, autoregressive: bool, progress: bool) -> _Run:
     """Load the drafts, the target and its tokenizer; list the passes (the AR pass first when it runs)."""
-    entries = _load_drafts(list(drafts), ngram)
+    cfg = settings.config
+    entries = _load_drafts(list(drafts), NgramSpec(n_max=cfg.ngram_n, n_min=cfg.ngram_min, rule=cfg.ngram_rule))
     eagle = [d for d in entries if not d.is_free]
-    target_obj = _load_target(target, eagle, dtype, device, ngram=len(eagle) < len(entries),
-                              experts_impl=experts_impl, device_map=device_map)
-    _attach(eagle, target_obj, vh_threshold)
-    _attach_policies(eagle, target_obj, settings.tree, settings.tree_policy, ecospec_lambda, affinity,
-                     settings.policy, commitment)
+    target_obj = _load_target(target, eagle, cfg.dtype, cfg.device, ngram=len(eagle) < len(entries),
+                              experts_impl=cfg.experts_impl, device_map=cfg.device_map)
+    _attach(eagle, target_obj, cfg.vh_threshold)
+    _attach_policies(eagle, target_obj, settings.tree, cfg.tree_policy, cfg.ecospec_lambda, cfg.affinity,
+                     cfg.policy, cfg.commitment)
     tok = _load_tokenizer(tokenizer, target_obj)
     # the AR pass is the denominator of speedup_vs_ar; a caller that measures AR once elsewhere (vat bench) skips it
     # unless `none` is asked for by name
@@ -532,8 +399,8 @@ def _set_up(target, drafts, settings: _Settings, *, ngram: NgramSpec, vh_thresho
         # n-gram drafts are chains of `steps`
         block=1 + max([_drafted_per_round(d, settings.steps, settings.tree) for d in entries] or [0]),
         max_positions=getattr(target_obj.config, "max_position_embeddings", None),
-        bytes_per_layer=target_obj.expert_bytes_per_layer(), cost=cost, evict=evict, max_new_tokens=max_new_tokens,
-        seed=seed, progress=progress, reference_cache=reference_cache,
+        bytes_per_layer=target_obj.expert_bytes_per_layer(), cost=cost, evict=evict,
+        max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, progress=progress, reference_cache=cfg.reference_cache,
     )
 
 
@@ -630,30 +497,29 @@ def _pooled(run: _Run, out: _Collected) -> dict[str, dict[str, dict]]:
     return pooled
 
 
-def _settings_record(run: _Run, *, vh_threshold, max_new_tokens: int, limit, seed: int, ecospec_lambda,
-                     affinity, commitment) -> dict:
+def _settings_record(run: _Run) -> dict:
     """eval.json's ``settings``: how the passes ran (a policy's own knobs only where that policy ran)."""
-    s = run.settings
+    s, cfg = run.settings, run.settings.config
     return {
-        "mode": "tree" if s.tree is not None else "chain", "steps": s.steps,
-        "tree": None if s.tree is None else vars(s.tree), "temperature": s.temperature,
-        "budgets": [NO_BUDGET if b is None else b for b in s.budgets], "policy": s.policy,
-        "vh_threshold": vh_threshold, "max_new_tokens": max_new_tokens, "limit": limit, "batch_size": 1,
-        "seed": seed, "tree_policy": s.tree_policy, "verify_cost": s.verify_cost,
-        "ecospec_lambda": ecospec_lambda if s.tree_policy == "ecospec" else None,
-        "affinity": affinity if s.tree_policy == "ecospec" else None,
-        "commitment": commitment if s.policy == "acceptmoe" else None,
-        "cost_model": None if s.cost_model is None else run.cost.accelerator.name,
-        "served_dtype": s.served_dtype if s.cost_model is not None else None,
+        "mode": "tree" if s.tree is not None else "chain", "steps": cfg.steps,
+        "tree": None if s.tree is None else vars(s.tree), "temperature": cfg.temperature,
+        "budgets": [NO_BUDGET if b is None else b for b in s.budgets], "policy": cfg.policy,
+        "vh_threshold": cfg.vh_threshold, "max_new_tokens": cfg.max_new_tokens, "limit": cfg.limit, "batch_size": 1,
+        "seed": cfg.seed, "tree_policy": cfg.tree_policy, "verify_cost": cfg.verify_cost,
+        "ecospec_lambda": cfg.ecospec_lambda if cfg.tree_policy == "ecospec" else None,
+        "affinity": cfg.affinity if cfg.tree_policy == "ecospec" else None,
+        "commitment": cfg.commitment if cfg.policy == "acceptmoe" else None,
+        "cost_model": None if cfg.cost_model is None else run.cost.accelerator.name,
+        "served_dtype": cfg.served_dtype if cfg.cost_model is not None else None,
     }
 
 
-def _result(run: _Run, out: _Collected, settings: dict, *, device_map: str | None, seconds: float) -> dict:
+def _result(run: _Run, out: _Collected, settings: dict, *, seconds: float) -> dict:
     """The eval.json dict (schema in docs/eval.md)."""
     return {
         "vat_eval_version": EVAL_FORMAT_VERSION,
         "target": run.target.path,
-        "target_info": _target_info(run, device_map),
+        "target_info": _target_info(run, run.settings.config.device_map),
         "settings": settings,
         "cost_model": run.cost.describe() if run.settings.cost_model is not None else None,
         "evict_profile": run.evict[1].to_dict() if run.evict is not None and run.evict[1] is not None else None,
@@ -790,22 +656,6 @@ def _kl_key(config: RunConfig, window: int) -> tuple:
     return (config.budget, window, config.draft.acceptmoe.commitment)
 
 
-def _check_policies(tree_spec, tree_policy: str, affinity, policy: str, budgets: list, commitment) -> None:
-    """One-line errors for EcoSpec / AcceptMoE options that cannot apply, before anything loads."""
-    if policy not in POLICIES:
-        raise VatError(f"--policy `{policy}`: one of {', '.join(POLICIES)}")
-    if tree_policy == "ecospec" and tree_spec is None:
-        raise VatError("--tree-policy ecospec chooses the nodes of a dynamic tree: add --tree top_k,depth,total")
-    if affinity is not None and tree_policy != "ecospec":
-        raise VatError("--affinity is EcoSpec's expert predictor: add --tree-policy ecospec")
-    if affinity is not None and not os.path.exists(affinity):
-        raise VatError(f"--affinity {affinity}: no such file (write one with `vat prep affinity`)")
-    if SELF_SIZED in budgets and policy != "acceptmoe":
-        raise VatError(f"--budget {SELF_SIZED} (a self-sized expert set) needs --policy acceptmoe")
-    if commitment is not None and policy != "acceptmoe":
-        raise VatError("--commitment is AcceptMoE's estimate: add --policy acceptmoe")
-
-
 def _attach_policies(drafts: list[DraftEntry], target, tree_spec, tree_policy: str, lam: float,
                      affinity: str | None, policy: str, commitment: str | None) -> None:
     """Give each trained draft its EcoSpec selection (tree drafts) and its AcceptMoE commitment weighting."""
@@ -866,23 +716,23 @@ def _default_budgets(budget: str | None, policy: str) -> str:
     return SELF_SIZED if policy == "acceptmoe" else NO_BUDGET
 
 
+# `vat eval` flags whose name differs from the EvalConfig field they set (the rest are the field's name)
+FLAG_FIELDS = {"benchmark": "benchmarks", "budget": "budgets"}
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """The :class:`EvalConfig` of `vat eval`'s parsed flags (a flag the parser lacks keeps the field's default)."""
+    values = {FLAG_FIELDS.get(name, name): value for name, value in vars(args).items()}
+    settings = {name: values[name] for name in EVAL_FIELDS if name in values}
+    settings["benchmarks"] = values.get("benchmarks") or list(EvalConfig().benchmarks)
+    settings["budgets"] = _default_budgets(values.get("budgets"), settings.get("policy", EvalConfig().policy))
+    return eval_config(**settings)
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of `vat eval` (setup -> run -> write)."""
-    drafts = args.draft or [AR_LABEL]
-    result = run_eval(
-        target=args.target, drafts=drafts, benchmarks=args.benchmark or ["spec_bench"], steps=args.steps,
-        tree=args.tree, temperature=args.temperature, budgets=_default_budgets(args.budget, args.policy),
-        policy=args.policy,
-        vh_threshold=args.vh_threshold, tree_policy=getattr(args, "tree_policy", "confidence"),
-        verify_cost=getattr(args, "verify_cost", None), cost_model=getattr(args, "cost_model", None),
-        served_dtype=getattr(args, "served_dtype", "bfloat16"),
-        ecospec_lambda=getattr(args, "ecospec_lambda", 1.0), affinity=getattr(args, "affinity", None),
-        commitment=getattr(args, "commitment", None), ngram_n=getattr(args, "ngram_n", DEFAULT_N_MAX),
-        ngram_min=getattr(args, "ngram_min", DEFAULT_N_MIN), ngram_rule=getattr(args, "ngram_rule", "vllm"), max_new_tokens=args.max_new_tokens, limit=args.limit,
-        batch_size=args.batch_size, seed=args.seed, output=args.output, dtype=getattr(args, "dtype", "auto"),
-        device=getattr(args, "device", None), experts_impl=getattr(args, "experts_impl", None),
-        device_map=getattr(args, "device_map", None), reference_cache=getattr(args, "reference_cache", None),
-    )
+    result = run_eval(target=args.target, drafts=args.draft or [AR_LABEL], config=config_from_args(args),
+                      output=args.output)
     print(markdown_summary(result))
     print(f"wrote {os.path.join(args.output, 'eval.json')}, generations.jsonl, report.md and plots")
     return 0

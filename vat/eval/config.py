@@ -1,0 +1,160 @@
+"""The typed settings of one evaluation: :class:`EvalConfig`, the one place their defaults and choices are stated.
+
+`vat eval`'s flags default to its fields, :func:`vat.eval.run.run_eval` takes one (or its fields as keywords), and a
+bench's ``eval`` section and each method's ``eval`` overrides are checked with :func:`check_eval_section` against the
+same choices. :func:`check_eval_config` rejects a bad setting in one line before anything loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vat.config import DEFAULT_BUDGET_POLICY, closest_hint
+from vat.errors import VatError
+from vat.eval.cost import get_accelerator, served_bytes_of
+from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, RULES
+from vat.eval.tree import TreeSpec
+from vat.target.budget import POLICIES
+
+NO_BUDGET = "none"
+SELF_SIZED = "auto"  # the budget of a policy that sizes its expert set itself (acceptmoe)
+TREE_POLICIES = ("confidence", "evict", "ecospec")  # how the drafted chain / tree is chosen before verification
+
+
+@dataclass
+class EvalConfig:
+    """Every setting of one evaluation (draft and target aside). Field comments are the reference; `vat eval` flags
+    are the field names with dashes (``--benchmark`` and ``--budget`` for the lists)."""
+
+    benchmarks: list[str] = field(default_factory=lambda: ["spec_bench"])  # names or files (load_benchmark)
+    steps: int = 7  # chain length K (a DFlash draft drafts its own block_size - 1 per round)
+    tree: Optional[str] = None  # dynamic tree "top_k,depth,total_tokens" (None = chain)
+    temperature: float = 0.0  # 0 = greedy, > 0 = lossless speculative sampling
+    budgets: Any = NO_BUDGET  # "none,8,4" or a list (None = natural routing, "auto" = acceptmoe's self-sized set)
+    policy: str = DEFAULT_BUDGET_POLICY  # substitute | truncate | truncate_cover (MoE-Spec) | acceptmoe
+    vh_threshold: Optional[float] = None  # stop drafting when the verification head's probability falls below
+    tree_policy: str = "confidence"  # confidence (verify all drafted) | evict (EVICT) | ecospec (EcoSpec)
+    verify_cost: Optional[str] = None  # EVICT's verification-cost profile; None = profiled on the fly
+    cost_model: Optional[str] = None  # roofline accelerator (h100 | h200 | a100 | l40s): modeled tokens/s, speed-up
+    served_dtype: str = "bfloat16"  # the dtype the cost model prices weights and KV in
+    ecospec_lambda: float = 1.0  # EcoSpec's λ: nats of draft log-probability one predicted new expert costs
+    affinity: Optional[str] = None  # EcoSpec's expert predictor; None = each draft's own affinity.safetensors
+    commitment: Optional[str] = None  # AcceptMoE's p̂_d (eval.json or JSON list); None = the prior 0.8^d
+    ngram_n: int = DEFAULT_N_MAX  # the `ngram` draft's longest matched suffix (vLLM's prompt_lookup_max)
+    ngram_min: int = DEFAULT_N_MIN  # its shortest (vLLM's prompt_lookup_min)
+    ngram_rule: str = "vllm"  # which earlier occurrence it copies: vllm (the earliest) | recent (the latest)
+    max_new_tokens: int = 256  # tokens generated per turn
+    limit: Optional[int] = None  # prompts per benchmark (None = all)
+    batch_size: int = 1  # only 1: prompts are decoded one at a time
+    seed: int = 0  # seeds every sampled prompt / turn deterministically
+    dtype: str = "auto"  # target dtype (auto = bf16 on GPU, fp32 on CPU)
+    device: Optional[str] = None  # target device (None = CUDA if available)
+    experts_impl: Optional[str] = None  # grouped_mm | eager | batched_mm | triton; None = grouped_mm for a path
+    device_map: Optional[str] = None  # e.g. auto: shard the target across the node's GPUs (overrides device)
+    reference_cache: Optional[str] = None  # keeps the natural greedy decode of every benchmark between evaluations
+
+
+EVAL_DEFAULTS = EvalConfig()
+EVAL_FIELDS = tuple(f.name for f in dataclasses.fields(EvalConfig))
+
+
+def eval_config(base: EvalConfig | None = None, **settings: Any) -> EvalConfig:
+    """``base`` (default: the defaults) with ``settings`` replaced; an unknown name stops in one line."""
+    for key in settings:
+        if key not in EVAL_FIELDS:
+            raise VatError(f"unknown eval setting `{key}`{closest_hint(key, list(EVAL_FIELDS))}")
+    return dataclasses.replace(base or EvalConfig(), **settings)
+
+
+def parse_budgets(text: str | None) -> list[int | str | None]:
+    """``"none,8,4"`` -> ``[None, 8, 4]`` (order kept, duplicates dropped); ``auto`` = a self-sized set (acceptmoe)."""
+    out: list[int | str | None] = []
+    for part in str(text or NO_BUDGET).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        if part in ("none", "null", "off"):
+            value: int | str | None = None
+        elif part == SELF_SIZED:
+            value = SELF_SIZED
+        else:
+            try:
+                value = int(part)
+            except ValueError:
+                raise VatError(f"--budget takes a comma list of integers, `none` or `auto`, got `{part}`") from None
+            if value < 1:
+                raise VatError(f"expert budget must be >= 1, got {value}")
+        if value not in out:
+            out.append(value)
+    return out or [None]
+
+
+@dataclass
+class CheckedEval:
+    """An :class:`EvalConfig` after :func:`check_eval_config`: the tree parsed and the budgets listed."""
+
+    config: EvalConfig
+    tree: TreeSpec | None
+    budgets: list[int | str | None]
+
+    def __getattr__(self, name: str) -> Any:  # the config's fields read through (steps, policy, temperature ...)
+        return getattr(self.config, name)
+
+
+def check_eval_config(cfg: EvalConfig) -> CheckedEval:
+    """Every setting checked before anything loads: one clear line for the first bad one."""
+    if cfg.batch_size != 1:
+        raise VatError(f"--batch-size {cfg.batch_size}: vat eval decodes one prompt at a time (batch size 1, as "
+                       "EAGLE's and Spec-Bench's speed measurements do); drop the flag")
+    if cfg.steps < 1:
+        raise VatError(f"--steps must be >= 1, got {cfg.steps}")
+    if cfg.temperature < 0:
+        raise VatError(f"--temperature must be >= 0, got {cfg.temperature}")
+    if cfg.ngram_rule not in RULES:
+        raise VatError(f"--ngram-rule `{cfg.ngram_rule}`: one of {', '.join(RULES)}")
+    tree = TreeSpec.parse(cfg.tree) if isinstance(cfg.tree, str) else cfg.tree
+    budgets = parse_budgets(cfg.budgets) if isinstance(cfg.budgets, str) or cfg.budgets is None else list(cfg.budgets)
+    check_eval_section("--", policy=cfg.policy, tree_policy=cfg.tree_policy, cost_model=cfg.cost_model)
+    if cfg.verify_cost is not None and cfg.tree_policy != "evict":
+        raise VatError("--verify-cost is EVICT's profile: add --tree-policy evict")
+    if cfg.cost_model is not None:
+        served_bytes_of(cfg.served_dtype)
+    if cfg.verify_cost is not None and not os.path.exists(cfg.verify_cost):
+        raise VatError(f"--verify-cost {cfg.verify_cost}: no such file (write it with `vat profile --verify-widths "
+                       "...`)")
+    if cfg.tree_policy == "ecospec" and tree is None:
+        raise VatError("--tree-policy ecospec chooses the nodes of a dynamic tree: add --tree top_k,depth,total")
+    if cfg.affinity is not None and cfg.tree_policy != "ecospec":
+        raise VatError("--affinity is EcoSpec's expert predictor: add --tree-policy ecospec")
+    if cfg.affinity is not None and not os.path.exists(cfg.affinity):
+        raise VatError(f"--affinity {cfg.affinity}: no such file (write one with `vat prep affinity`)")
+    if SELF_SIZED in budgets and cfg.policy != "acceptmoe":
+        raise VatError(f"--budget {SELF_SIZED} (a self-sized expert set) needs --policy acceptmoe")
+    if cfg.commitment is not None and cfg.policy != "acceptmoe":
+        raise VatError("--commitment is AcceptMoE's estimate: add --policy acceptmoe")
+    return CheckedEval(config=cfg, tree=tree, budgets=budgets)
+
+
+def check_eval_section(where: str, *, policy: str | None = None, tree_policy: str | None = None,
+                       tree: str | None = None, cost_model: str | None = None, budgets: list | None = None) -> None:
+    """The choices an evaluation's settings must come from, checked where they are written: ``where`` is ``--`` for
+    `vat eval`'s flags, or a bench config section (``eval``, ``methods.<label>.eval``). None = not set there."""
+    def bad(name: str, value: Any, need: str) -> VatError:
+        if where == "--":
+            return VatError(f"--{name.replace('_', '-')} `{value}`: {need}")
+        return VatError(f"bad value `{value}` for bench config key `{where}.{name}`: {need}")
+
+    if policy is not None and policy not in POLICIES:
+        raise bad("policy", policy, f"one of {', '.join(POLICIES)}")
+    if tree_policy is not None and tree_policy not in TREE_POLICIES:
+        raise bad("tree_policy", tree_policy, f"one of {', '.join(TREE_POLICIES)}")
+    if tree is not None and str(tree).lower() != "chain":
+        TreeSpec.parse(tree)
+    if cost_model is not None:
+        get_accelerator(cost_model)
+    if budgets is not None and (not budgets or not all(
+            b is None or b == SELF_SIZED or (isinstance(b, int) and b >= 1) for b in budgets)):
+        raise bad("budgets", list(budgets), "budgets >= 1, null or auto (a self-sized set, policy acceptmoe)")
