@@ -35,6 +35,7 @@ from vat.drafters.common import RMSNorm, SwiGLUMLP, apply_rope, masked_attention
 from vat.drafters.dflash_config import DFlashConfig, check_dflash_matches_target, default_target_layer_ids
 from vat.drafters.eagle3 import VH_PRIOR
 from vat.drafters.eagle3_layer import FrozenEmbedding
+from vat.drafters.sparse_attention import attention_with_private_keys, resolve_attention_impl
 from vat.errors import VatError
 
 
@@ -100,19 +101,27 @@ class DFlashDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
+        block_size: int | None = None,
     ) -> torch.Tensor:
         """Block states (B, Q, H) attend to ``context_kv`` (B, nkv, S, hd) x2 and to the block itself.
 
         Args:
-            mask: (B, 1, Q, S + Q) bool over [context ; block] keys, True = may attend; None = all.
+            mask: (B, 1, Q, S + Q) bool over [context ; block] keys, True = may attend; None = all. With
+                ``block_size``: (B, 1, Q, S) over the context keys only, and the Q queries are Q / block_size blocks
+                that each see their own block's keys and no other block's (blockwise attention, no (Q, Q) mask).
         """
         B, Q, _ = x.shape
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)  # (B, nh, Q, hd)
         k_block, v_block = self.self_attn.keys_values(h, cos, sin)  # (B, nkv, Q, hd)
-        k = torch.cat([context_kv[0], k_block], dim=2)  # (B, nkv, S + Q, hd)
-        v = torch.cat([context_kv[1], v_block], dim=2)
-        attn = masked_attention(q, k, v, mask)  # (B, nh, Q, hd)
+        if block_size is not None:
+            nkv, hd = k_block.shape[1], k_block.shape[3]
+            blocks = (B, nkv, Q // block_size, block_size, hd)
+            attn = attention_with_private_keys(q, *context_kv, mask, k_block.view(blocks), v_block.view(blocks))
+        else:
+            k = torch.cat([context_kv[0], k_block], dim=2)  # (B, nkv, S + Q, hd)
+            v = torch.cat([context_kv[1], v_block], dim=2)
+            attn = masked_attention(q, k, v, mask)  # (B, nh, Q, hd)
         x = x + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, Q, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -246,12 +255,15 @@ class DFlashDrafter(nn.Module):
         position_ids: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor | None = None,
+        block_size: int | None = None,
     ) -> torch.Tensor:
-        """Block tokens (B, Q) at ``position_ids`` (B, Q) through every layer -> normed hidden states (B, Q, H)."""
+        """Block tokens (B, Q) at ``position_ids`` (B, Q) through every layer -> normed hidden states (B, Q, H).
+
+        ``mask`` and ``block_size`` as in :meth:`DFlashDecoderLayer.forward`."""
         x = self._embed(block_ids)  # (B, Q, H)
         cos, sin = self._rope(position_ids)
         for layer, kv in zip(self.layers, context_kv):
-            x = layer(x, kv, cos, sin, mask)
+            x = layer(x, kv, cos, sin, mask, block_size)
         return self.norm(x)
 
     def readout(self, normed: torch.Tensor, vh_detach: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -278,6 +290,7 @@ class DFlashDrafter(nn.Module):
         anchors: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         vh_detach: bool = False,
+        attention: str = "auto",
     ) -> DFlashBlockOutput:
         """Draft one block per anchor, every block of the batch in one pass.
 
@@ -291,6 +304,9 @@ class DFlashDrafter(nn.Module):
             anchors: (B, N) int64 anchor positions, ``-1`` = padding (its block sees only itself; mask its slots).
             attention_mask: (B, T) 1 = real token; None = all real.
             vh_detach: the verification head reads detached hidden states (``loss.vh_detach``).
+            attention: ``dense`` (SDPA over [context ; every block] with a (Q, T + Q) mask, the reference),
+                ``blockwise`` (each block scores only its own keys beside the context:
+                :mod:`vat.drafters.sparse_attention`) or ``auto`` (blockwise on CPU, dense elsewhere).
 
         Returns:
             :class:`DFlashBlockOutput` with logits (B, N, K, V), hidden (B, N, K, H), vh_logits (B, N, K) or None.
@@ -314,11 +330,13 @@ class DFlashDrafter(nn.Module):
             :, None, :
         ]  # (B, N, T)
         sees = sees[:, :, None, :].expand(B, N, Bs, T).reshape(B, N * Bs, T)  # (B, Q, T)
-        block_of = torch.arange(N * Bs, device=device) // Bs  # (Q,)
-        own = (block_of[:, None] == block_of[None, :]).expand(B, N * Bs, N * Bs)  # (B, Q, Q)
-        mask = torch.cat([sees, own], dim=-1)[:, None]  # (B, 1, Q, T + Q)
-
-        normed = self.run_block(block_ids, block_pos, context_kv, mask)  # (B, Q, H)
+        if resolve_attention_impl(attention, device) == "blockwise":
+            normed = self.run_block(block_ids, block_pos, context_kv, sees[:, None], block_size=Bs)  # (B, Q, H)
+        else:
+            block_of = torch.arange(N * Bs, device=device) // Bs  # (Q,)
+            own = (block_of[:, None] == block_of[None, :]).expand(B, N * Bs, N * Bs)  # (B, Q, Q)
+            mask = torch.cat([sees, own], dim=-1)[:, None]  # (B, 1, Q, T + Q)
+            normed = self.run_block(block_ids, block_pos, context_kv, mask)  # (B, Q, H)
         slots = normed.view(B, N, Bs, -1)[:, :, 1:]  # (B, N, K, H): position 0 is the anchor itself
         logits, vh = self.readout(slots, vh_detach)
         return DFlashBlockOutput(logits=logits, hidden=slots, vh_logits=vh)

@@ -39,6 +39,7 @@ from torch import nn
 from vat.drafters.common import RMSNorm, masked_attention, rope_cos_sin
 from vat.drafters.eagle3_config import NUM_AUX_LAYERS, VH_INPUTS, Eagle3Config, check_draft_matches_target
 from vat.drafters.eagle3_layer import Eagle3Attention, Eagle3DecoderLayer, FrozenEmbedding
+from vat.drafters.sparse_attention import attention_with_private_keys, resolve_attention_impl
 from vat.errors import VatError, require_file
 from vat.target.conventions import default_aux_layer_ids
 
@@ -388,6 +389,7 @@ class Eagle3Drafter(nn.Module):
         ttt_steps: int | None = None,
         position_ids: torch.Tensor | None = None,
         vh_detach: bool = False,
+        attention: str = "auto",
     ) -> Eagle3TTTOutput:
         """Unrolled training-time test over every anchor of the batch at once.
 
@@ -400,8 +402,10 @@ class Eagle3Drafter(nn.Module):
           (mask those steps with :func:`ttt_valid_mask`; align targets with :func:`shift_for_ttt`).
         * Attention of query (t, k): the step-0 keys (s, 0) for s <= t whose ``attention_mask`` is 1 (causal over the
           real prefix; (t, 0) itself is always allowed so padded queries stay finite), plus the diagonal keys
-          (t, j) for 1 <= j <= k (its own chain, including itself). Implemented as SDPA over the concatenation of
-          the per-step keys with a (T, (k+1)T) boolean mask. With ``sliding_window`` W the step-0 keys are further
+          (t, j) for 1 <= j <= k (its own chain, including itself). ``attention="dense"`` is SDPA over the
+          concatenation of the per-step keys with a (T, (k+1)T) boolean mask (the reference); ``"blockwise"``
+          scores the step-0 block with one masked matmul and the chain keys per anchor under one softmax
+          (:mod:`vat.drafters.sparse_attention`: T^2 + kT scores at step k instead of (k+1)T^2). With ``sliding_window`` W the step-0 keys are further
           limited to t - s < W (speculators' training mask, by anchor index); the chain keys always stay. The
           KV-cache path (:meth:`step`) windows by RoPE position instead, as serving engines do, so for k > 0 the two
           differ only at the window's edge (k keys of a W-long prefix).
@@ -416,6 +420,7 @@ class Eagle3Drafter(nn.Module):
             ttt_steps: K; None = ``config.ttt_steps``.
             position_ids: (B, T) RoPE positions of step 0; None = ``arange(T)``.
             vh_detach: the verification head reads detached hidden states (``loss.vh_detach``).
+            attention: ``auto`` (blockwise on CPU, dense elsewhere), ``dense`` or ``blockwise``.
 
         Returns:
             :class:`Eagle3TTTOutput` with logits (B, T, K, V_d), hidden (B, T, K, H), vh_logits (B, T, K) or None.
@@ -436,6 +441,7 @@ class Eagle3Drafter(nn.Module):
         block0 = causal & (attention_mask.bool()[:, None, :] | eye)  # (B, T, T) step-0 keys
         diag = eye.expand(B, T, T)
 
+        blockwise = resolve_attention_impl(attention, device) == "blockwise"
         hidden = self.project_aux(aux_hidden)  # (B, T, H)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -448,9 +454,14 @@ class Eagle3Drafter(nn.Module):
             q, key, value = self.midlayer.self_attn.qkv(x, cos, sin)
             keys.append(key)
             values.append(value)
-            if k > 0:
-                mask = torch.cat([mask, diag], dim=-1)  # (B, T, (k+1)T)
-            attn = masked_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask.unsqueeze(1))
+            if blockwise and k > 0:  # the chain (t, 1..k): k keys private to anchor t
+                chain_k = torch.stack(keys[1:], dim=3)  # (B, nkv, T, k, hd)
+                chain_v = torch.stack(values[1:], dim=3)
+                attn = attention_with_private_keys(q, keys[0], values[0], block0.unsqueeze(1), chain_k, chain_v)
+            else:
+                if k > 0:
+                    mask = torch.cat([mask, diag], dim=-1)  # (B, T, (k+1)T)
+                attn = masked_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask.unsqueeze(1))
             hidden, step_logits, step_vh = self.readout(self.midlayer.output(attn, residual), vh_detach)
             hiddens.append(hidden)  # (B, T, H) the state that feeds step k+1
             logits.append(step_logits)  # (B, T, V_d)
