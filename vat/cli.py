@@ -80,6 +80,25 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.set_defaults(func=_dispatch("vat.data_prep.affinity:main"))
 
+    p = steps.add_parser("capture", help="run the target once over a prepared dataset and store its features "
+                         "(aux + last hidden states, routing) for `data.capture` training")
+    p.add_argument("--target", required=True, help="target model path (or tiny / tiny-quick)")
+    p.add_argument("--data", required=True, help="prepared dataset directory (from `vat prep chat`)")
+    p.add_argument("--output", required=True, help="capture directory; a rerun continues after its last complete shard")
+    p.add_argument("--aux-layer-ids", type=int, nargs="+", default=None,
+                   help="0-indexed layer outputs the draft reads (default EAGLE-3's [1, L//2-1, L-4])")
+    p.add_argument("--dtype", default="auto", help="target (and stored feature) dtype: auto, float32, bfloat16, float16")
+    p.add_argument("--device", default=None, help="target device (default cuda if available, else cpu)")
+    p.add_argument("--device-map", default=None, help="e.g. auto: shard a large target over the node's GPUs")
+    p.add_argument("--experts-impl", default="grouped_mm", choices=["eager", "grouped_mm", "batched_mm", "triton"])
+    p.add_argument("--tokens-per-batch", type=int, default=8192, help="padded tokens per target forward")
+    p.add_argument("--max-batch-size", type=int, default=16, help="rows per target forward")
+    p.add_argument("--shard-tokens", type=int, default=1 << 20, help="tokens per shard file (the unit of resume)")
+    p.add_argument("--limit", type=int, default=None, help="capture only the first N rows")
+    p.add_argument("--max-length", type=int, default=None, help="skip rows longer than this many tokens")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_dispatch("vat.data_prep.capture:main"))
+
     p = steps.add_parser("tiny-target", help="build the embedded tiny MoE target (tokenizer + OLMoE model) on ShareGPT")
     p.add_argument("--size", default="full", choices=["full", "quick", "bench"],
                    help="full: the default tiny target (16 experts top-4, ~12-24 min); quick: much smaller, for tests "

@@ -35,6 +35,8 @@ class TargetOutput:
         logits: (B, T, V) next-token logits.
         aux_hidden: (B, T, n_aux * H) hidden states after the aux layers, concatenated in ``aux_layer_ids`` order.
         final_hidden: (B, T, H) the last hidden state after the final norm (what the LM head reads).
+        last_hidden: (B, T, H) the last decoder layer's output, the final norm's input (what a capture stores:
+            ``logits = lm_head(final_norm(last_hidden))``).
         topk_ids: (L', B, T, k) executed expert ids per MoE layer; ``num_experts`` marks a dropped slot.
         natural_topk_ids: (L', B, T, k) when a budget was applied: each router's own top-k before the budget rerouted
             it (:meth:`RoutingController.stacked_natural`); None without a budget (``topk_ids`` are then natural).
@@ -55,6 +57,7 @@ class TargetOutput:
     past_key_values: Any = None
     n_uncovered: torch.Tensor | None = None
     natural_topk_ids: torch.Tensor | None = None
+    last_hidden: torch.Tensor | None = None
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -128,6 +131,10 @@ class FrozenTarget(nn.Module):
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
+    def final_norm(self) -> nn.Module | None:
+        """The norm between the last decoder layer and the LM head (None if the model has none where vat looks)."""
+        return getattr(getattr(self.model, "model", self.model), "norm", None)
+
     def expert_bytes_per_layer(self) -> list[int]:
         """Bytes of one expert's weights in each MoE layer (from the weights' shapes and dtype)."""
         return [expert_bytes(experts) for _, _, experts in self.routing.moe_layers]
@@ -196,20 +203,22 @@ class FrozenTarget(nn.Module):
         finally:
             for handle in hooks:
                 handle.remove()
-        aux = final = None
+        aux = final = last = None
         if output_aux:
             aux = torch.cat([captured[f"layer{i}"] for i in self.aux_layer_ids], dim=-1)  # (B, T, n_aux * H)
-            final = captured["final"]
+            final, last = captured.get("final"), captured.get("last")  # (B, T, H) each
         topk_ids = self.routing.stacked(ctx, batch, length) if capture_routing else None
         natural_ids = self.routing.stacked_natural(ctx, batch, length) if capture_routing else None
         return TargetOutput(
             logits=out.logits, aux_hidden=aux, final_hidden=final, topk_ids=topk_ids, window_groups=groups,
             n_windows=n_groups, past_key_values=output_cache(out) if use_cache else None,
             n_uncovered=self.routing.uncovered(ctx) if budget is not None else None, natural_topk_ids=natural_ids,
+            last_hidden=last,
         )
 
     def _feature_hooks(self, captured: dict[str, torch.Tensor]) -> list:
-        """Hooks recording the output of each aux layer (pre-norm, even for the last layer) and of the final norm."""
+        """Hooks recording the output of each aux layer (pre-norm, even for the last layer), the final norm's input
+        (``last``) and its output (``final``)."""
 
         def keep(name):
             def hook(module, args, output):
@@ -217,11 +226,15 @@ class FrozenTarget(nn.Module):
 
             return hook
 
+        def keep_input(module, args):
+            captured["last"] = args[0]
+
         layers = decoder_layers(self.model)
         handles = [layers[i].register_forward_hook(keep(f"layer{i}")) for i in sorted(set(self.aux_layer_ids))]
-        norm = getattr(getattr(self.model, "model", self.model), "norm", None)
+        norm = self.final_norm()
         if norm is not None:
             handles.append(norm.register_forward_hook(keep("final")))
+            handles.append(norm.register_forward_pre_hook(keep_input))
         return handles
 
     def close(self) -> None:
