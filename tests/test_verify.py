@@ -202,6 +202,28 @@ def test_target_dist_matches_full_softmax():
     assert target_to_draft_index(d2t, V).tolist() == [-1, 0, -1, 1, 2, -1, -1, 3, -1, -1, -1, 4]
 
 
+def test_target_dist_without_probs_keeps_argmax_and_mass_and_greedy_verification():
+    """with_probs=False (greedy acceptance, no soft CE): the same argmax, draft argmax, mass and greedy verification
+    as the full build, no probability tensor, and a clear error where p itself is asked for."""
+    gen = torch.Generator().manual_seed(4)
+    V, d2t = 12, torch.tensor([1, 3, 4, 7, 11])
+    logits = torch.randn(2, 6, V, generator=gen) * 3
+    for mapping in (d2t, None):
+        full, lean = target_dist(logits, mapping), target_dist(logits, mapping, chunk_size=5, with_probs=False)
+        assert lean.probs is None
+        for name in ("argmax", "argmax_draft", "mass"):
+            torch.testing.assert_close(getattr(lean, name), getattr(full, name))
+        K = 3
+        (g_full, valid), (g_lean, _) = full.gather_ttt(K), lean.gather_ttt(K)
+        assert g_lean.probs is None
+        draft = torch.randn(2, 6, K, 5 if mapping is not None else V, generator=gen)
+        a = simulate_verification(draft, g_full, valid, acceptance="greedy")
+        b = simulate_verification(draft, g_lean, valid, acceptance="greedy")
+        torch.testing.assert_close(a.accept, b.accept)
+        with pytest.raises(ValueError, match="without probabilities"):
+            simulate_verification(draft, g_lean, valid, acceptance="expected")
+
+
 def test_expected_acceptance_equals_sum_min_brute_force():
     gen = torch.Generator().manual_seed(4)
     V, d2t = 9, torch.tensor([0, 2, 3, 5, 8])

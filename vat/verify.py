@@ -59,23 +59,28 @@ class TargetDist:
     Attributes:
         argmax: ``(...,)`` int64 target-vocab id of argmax p (over the FULL target vocab).
         argmax_draft: ``(...,)`` int64 draft id of that argmax, ``-1`` when it lies outside the draft vocab.
-        probs: ``(..., V_d)`` fp32 p restricted to the draft vocab and renormalised (the soft-CE target).
+        probs: ``(..., V_d)`` fp32 p restricted to the draft vocab and renormalised (the soft-CE target); None when
+            built without it (``target_dist(..., with_probs=False)``: greedy acceptance and no soft CE need only
+            the argmax, and a (positions, vocab) fp32 tensor is the largest buffer of a large-vocab step).
         mass: ``(...,)`` fp32 p's total mass on the draft vocab (1 for a full vocab); ``probs * mass`` is p at the
             draft ids, un-renormalised (what acceptance uses: q is 0 outside the draft vocab).
     """
 
     argmax: Tensor
     argmax_draft: Tensor
-    probs: Tensor
+    probs: Tensor | None
     mass: Tensor
 
     def probs_on_draft(self) -> Tensor:
         """``(..., V_d)`` fp32 p at the draft ids, un-renormalised (sums to ``mass``)."""
+        if self.probs is None:
+            raise ValueError("this TargetDist was built without probabilities (target_dist(..., with_probs=False))")
         return self.probs * self.mass.unsqueeze(-1)
 
     def apply(self, fn: Callable[[Tensor], Tensor]) -> TargetDist:
-        """A new TargetDist with ``fn`` applied to every field (fields share their leading dims)."""
-        return TargetDist(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+        """A new TargetDist with ``fn`` applied to every field present (fields share their leading dims)."""
+        return TargetDist(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                             for f in fields(self)})
 
     def gather_ttt(
         self, K: int, loss_mask: Tensor | None = None, attention_mask: Tensor | None = None
@@ -95,7 +100,8 @@ class TargetDist:
 
 @torch.no_grad()
 def target_dist(
-    target_logits: Tensor, draft_to_target: Tensor | None = None, chunk_size: int | None = None
+    target_logits: Tensor, draft_to_target: Tensor | None = None, chunk_size: int | None = None,
+    with_probs: bool = True,
 ) -> TargetDist:
     """Summarise target logits for verification and imitation (fp32, no grad).
 
@@ -104,6 +110,8 @@ def target_dist(
         draft_to_target: ``(V_d,)`` int64 absolute target ids of the draft vocab; None = draft vocab is the target's.
         chunk_size: process at most this many positions at a time (bounds the fp32 ``(rows, V)`` transient for
             large vocabs); None = all at once.
+        with_probs: also keep ``probs`` (needed by the soft CE and by expected / sampled acceptance); False keeps
+            argmax and mass only (``probs`` None).
 
     Returns:
         A :class:`TargetDist` with leading dims ``...``.
@@ -118,21 +126,20 @@ def target_dist(
         logits = flat[s : s + step].float()  # (m, V)
         argmax = logits.argmax(-1)  # (m,)
         if draft_to_target is None:
-            probs = logits.softmax(-1)  # (m, V)
-            parts.append((argmax, argmax, probs, torch.ones_like(probs[:, 0])))
+            probs = logits.softmax(-1) if with_probs else None  # (m, V)
+            parts.append((argmax, argmax, probs, torch.ones_like(logits[:, 0])))
             continue
         sub = logits.index_select(-1, draft_to_target.long())  # (m, V_d)
         lse_sub = sub.logsumexp(-1)  # (m,)
-        probs = (sub - lse_sub.unsqueeze(-1)).exp()  # (m, V_d) renormalised on the draft vocab
+        probs = (sub - lse_sub.unsqueeze(-1)).exp() if with_probs else None  # (m, V_d) renormalised on the draft vocab
         mass = (lse_sub - logits.logsumexp(-1)).exp()  # (m,)
         parts.append((argmax, t2d[argmax], probs, mass))
-    cat = [torch.cat(p, 0) for p in zip(*parts)]
-    Vd = cat[2].shape[-1]
+    argmax, argmax_draft, probs, mass = (None if p[0] is None else torch.cat(p, 0) for p in zip(*parts))
     return TargetDist(
-        argmax=cat[0].reshape(lead),
-        argmax_draft=cat[1].reshape(lead),
-        probs=cat[2].reshape(*lead, Vd),
-        mass=cat[3].reshape(lead),
+        argmax=argmax.reshape(lead),
+        argmax_draft=argmax_draft.reshape(lead),
+        probs=None if probs is None else probs.reshape(*lead, probs.shape[-1]),
+        mass=mass.reshape(lead),
     )
 
 

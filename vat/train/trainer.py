@@ -31,19 +31,21 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 
 from vat.affinity import OnlineAffinity
 from vat.config import load_config, to_yaml
+from vat.data_prep.capture_store import CaptureReader
 from vat.errors import VatError
 from vat.export.checkpoint import read_draft_config, save_draft
 from vat.export.init_from import source_aux_layer_ids
 from vat.losses import LossSwitches, binary_auc, finalize_metrics, vat_objective
 from vat.paths import TINY_TARGET_NAMES
 from vat.target import BudgetSpec, load_target
+from vat.target.captured import load_captured_target
 from vat.train.checkpointing import (
     STATE_FILE,
     rng_state,
     set_rng_state,
     write_checkpoint,
 )
-from vat.train.data import BucketedBatches, load_prepared
+from vat.train.data import BucketedBatches, load_prepared_rows
 from vat.train.defaults import TINY_DATA_NAMES, ensure_draft_vocab, resolve_train_data
 from vat.train.distributed import (
     fsdp2_plugin,
@@ -92,6 +94,7 @@ class Trainer(TrainLoop):
         self.vh_pairs: list[tuple[torch.Tensor, ...]] = []  # (VH logits, survival, observed) since the last log
         self.pending_routing: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (rows, topk_ids), per batch
         self.sharded = False
+        self.capture: CaptureReader | None = None  # data.capture: the target's features read, not computed
         self.kind = drafter_kind(cfg.drafter.kind)  # an unknown kind stops here, before anything loads
 
     # ---- setup ---------------------------------------------------------------------------------------------------
@@ -115,12 +118,11 @@ class Trainer(TrainLoop):
         self.is_main = self.accelerator.is_main_process
         os.makedirs(cfg.output_dir, exist_ok=True)
 
-        self.target = load_target(
-            cfg.target.path, dtype=cfg.target.dtype, device=self.device, experts_impl=cfg.target.experts_impl,
-            aux_layer_ids=self._aux_layer_ids(), device_map=cfg.target.device_map,
-        )
+        self.target = self._load_target()
         self._setup_data()
         self._setup_drafter()
+        if self.capture is not None:  # the layers the draft reads (a DFlash draft picks its own) must be captured
+            self.target.aux_columns()
         self._setup_lora()
         self._setup_losses()
         self._setup_optimizer()
@@ -128,6 +130,31 @@ class Trainer(TrainLoop):
         if self.is_main:
             with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(cfg))
+
+    def _load_target(self):
+        """The frozen target; with ``data.capture`` only its embedding, final norm and LM head, checked against the
+        capture in one line (vat/target/captured.py): the features are read from the capture's shards."""
+        cfg = self.cfg
+        if cfg.data.capture is None:
+            return load_target(
+                cfg.target.path, dtype=cfg.target.dtype, device=self.device, experts_impl=cfg.target.experts_impl,
+                aux_layer_ids=self._aux_layer_ids(), device_map=cfg.target.device_map,
+            )
+        if cfg.budget.B is not None:
+            raise VatError(f"budget.B is set but data.capture {cfg.data.capture} holds the target's natural forward: a "
+                           "budgeted target's features exist only online; unset data.capture (or budget.B)")
+        self.capture = CaptureReader(cfg.data.capture)
+        return load_captured_target(cfg.target.path, self.capture.target, dtype=cfg.target.dtype, device=self.device,
+                                    aux_layer_ids=self._aux_layer_ids())
+
+    def _capture_rows(self, rows: list[int]) -> list[int]:
+        """The capture's row of each training sample; one line when the capture lacks some."""
+        missing = self.capture.missing(rows)
+        if missing:
+            raise VatError(f"data.capture {self.capture.directory} lacks {len(missing)} of the {len(rows)} rows "
+                           f"data.train keeps (first: row {missing[0]}): capture {self.data_path} with --limit / "
+                           "--max-length keeping them, or lower data.limit / data.max_length")
+        return rows
 
     def _parallel_kwargs(self) -> dict[str, Any]:
         """DDP by default (accelerate's own choice); ``train.fsdp``: FSDP2 through accelerate's plugin (GPUs only)."""
@@ -172,7 +199,9 @@ class Trainer(TrainLoop):
             self.accelerator.wait_for_everyone()
             data_path = resolve_train_data(data_path, target_name, cfg.data.max_length)
         self.data_path = data_path
-        self.dataset, self.dropped_over_length = load_prepared(data_path, cfg.data.max_length, cfg.data.limit)
+        self.dataset, self.dropped_over_length, rows = load_prepared_rows(data_path, cfg.data.max_length,
+                                                                          cfg.data.limit)
+        self.capture_rows = self._capture_rows(rows) if self.capture is not None else None
         lengths = self.dataset["length"] if "length" in self.dataset.column_names else [
             len(x) for x in self.dataset["input_ids"]]
         self.batches = BucketedBatches(
@@ -303,11 +332,24 @@ class Trainer(TrainLoop):
         return self.kind.training_slots(self.drafter, self.draft_config, self.cfg, batch, tout, dist,
                                         self.target.num_experts, anchor_seed, self.accelerator.autocast)
 
+    def next_batch(self) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The loop's batch; with ``data.capture`` also its captured features (``captured_aux``, ``captured_last``,
+        ``captured_routing``), read for the same rows in the same order."""
+        indices, batch = super().next_batch()
+        if self.capture is not None:
+            features = self.capture.batch([self.capture_rows[i] for i in indices], batch["input_ids"],
+                                          self.target.num_experts)
+            batch.update({f"captured_{k}": v.to(self.device) for k, v in features.items() if v is not None})
+        return indices, batch
+
     def _target_forward(self, batch: dict[str, torch.Tensor], budget):
         """The step's one target forward. Under a budget only the response (loss-masked) positions are budgeted:
         as served, the prompt — and every later user turn — is prefilled with natural routing, and only the
         verification forwards over the model's own answer run under the budget (docs/vat_losses.md). The prompt positions'
         hidden states, logits and routing are therefore the unbudgeted forward's exactly (causal attention)."""
+        if self.capture is not None:  # the same output from the captured features (no budget: refused at setup)
+            return self.target.forward_features(batch["captured_aux"], batch["captured_last"],
+                                                batch.get("captured_routing"))
         input_ids, attention = batch["input_ids"], batch["attention_mask"]
         token_mask = None
         if budget is not None:
@@ -335,7 +377,9 @@ class Trainer(TrainLoop):
     def forward_loss(self, batch: dict[str, torch.Tensor], budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         input_ids, attention = batch["input_ids"], batch["attention_mask"]
         tout = self._target_forward(batch, budget)
-        dist = target_dist(tout.logits, self.draft_to_target)  # fields (B, T, ·)
+        # p itself only for the soft CE and non-greedy acceptance; argmax and mass otherwise (no (B, T, V) fp32)
+        needs_probs = bool(self.switches.soft_weight) or self.switches.acceptance != "greedy"
+        dist = target_dist(tout.logits, self.draft_to_target, with_probs=needs_probs)  # fields (B, T, ·)
         slots = self._draft_slots(batch, tout, dist)  # (B, A, K, ·)
         valid, censored = slots.valid, slots.censored
         topk = tout.topk_ids  # (L', B, T, k)
