@@ -48,6 +48,7 @@ class DataConfig:
     max_batch_size: int = 16
     limit: Optional[int] = None  # use at most this many samples
     shuffle: bool = True
+    capture: Optional[str] = None  # `vat prep capture` dir of data.train: the target's features read from it, not computed
 
 
 @dataclass

@@ -24,6 +24,16 @@ def load_prepared(path: str, max_length: int | None = None, limit: int | None = 
     Returns:
         ``(dataset, n_dropped_over_length)``.
     """
+    ds, dropped, _ = load_prepared_rows(path, max_length, limit)
+    return ds, dropped
+
+
+def load_prepared_rows(path: str, max_length: int | None = None, limit: int | None = None):
+    """:func:`load_prepared` and, for each kept sample, its row in the saved dataset (what a capture is keyed by).
+
+    Returns:
+        ``(dataset, n_dropped_over_length, rows)``.
+    """
     if not os.path.exists(path):
         raise VatError(f"prepared dataset not found: {path} (make one with `vat prep chat`)")
     try:
@@ -33,8 +43,10 @@ def load_prepared(path: str, max_length: int | None = None, limit: int | None = 
     missing = {"input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
         raise VatError(f"dataset {path} lacks column(s) {sorted(missing)}: prepare it with `vat prep chat`")
+    rows = list(range(len(ds)))
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
+        rows = rows[:len(ds)]
     dropped = 0
     if max_length is not None:
         lengths = ds["length"] if "length" in ds.column_names else [len(x) for x in ds["input_ids"]]
@@ -42,9 +54,10 @@ def load_prepared(path: str, max_length: int | None = None, limit: int | None = 
         dropped = len(ds) - len(keep)
         if dropped:
             ds = ds.select(keep)
+            rows = [rows[i] for i in keep]
     if len(ds) == 0:
         raise VatError(f"dataset {path} has no sample of at most {max_length} tokens")
-    return ds, dropped
+    return ds, dropped, rows
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""`vat prep capture` and `data.capture`: the capture's layout and resume, training from a capture equal to online
+training (losses, gradients, weights), and bad input stopped in one line before anything trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from helpers import read_metrics, train_config
+from safetensors.torch import load_file
+from tiny_models import save_tiny_target
+
+from vat.cli import main as vat_main
+from vat.data_prep.capture import capture
+from vat.data_prep.capture_store import MANIFEST, read_manifest, write_manifest
+from vat.errors import VatError
+from vat.train.trainer import Trainer
+from vat.train.trainer import main as train_main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# the VAT recipe with the union term on (its scale measured over 2 steps), 5 steps
+VAT = ("method=vat", "loss.union_weight=0.1", "loss.union_scale_warmup=2", "drafter.ttt_steps=3", "train.max_steps=5",
+       "train.save_every=0")
+SHARD_TOKENS = 1500  # several shards over the workspace's data
+
+
+@pytest.fixture(scope="module")
+def captured(train_workspace):
+    """The workspace's data captured from its target (fp32 on CPU) in several shards."""
+    out = str(train_workspace["root"] / "capture")
+    capture(train_workspace["target"], train_workspace["data"], out, shard_tokens=SHARD_TOKENS, progress=False)
+    return out
+
+
+def test_capture_layout_manifest_and_resume(train_workspace, captured, tmp_path):
+    manifest = read_manifest(captured)
+    assert manifest["complete"] and len(manifest["shards"]) >= 3
+    target = manifest["target"]
+    assert (target["model_type"], target["hidden_size"], target["num_layers"], target["num_experts"]) == ("olmoe", 64, 2, 8)
+    assert manifest["tokens"] == sum(manifest["lengths"]) == sum(s["tokens"] for s in manifest["shards"])
+    assert [s["start"] for s in manifest["shards"][1:]] == [s["end"] for s in manifest["shards"][:-1]]
+    first = load_file(os.path.join(captured, manifest["shards"][0]["file"]))
+    row, n = manifest["rows"][0], manifest["lengths"][0]
+    assert first[f"aux.{row}"].shape == (n, 3 * 64) and first[f"last.{row}"].shape == (n, 64)
+    assert first[f"routing.{row}"].shape == (n, 2, 2) and first[f"routing.{row}"].dtype == torch.uint8
+    # a kill after shard 1: the rerun keeps shards 0-1 and writes the rest, the same bytes
+    copy = str(tmp_path / "killed")
+    shutil.copytree(captured, copy)
+    cut = read_manifest(copy)
+    for shard in cut["shards"][2:]:
+        os.remove(os.path.join(copy, shard["file"]))
+    kept_mtime = os.path.getmtime(os.path.join(copy, cut["shards"][0]["file"]))
+    cut.update(shards=cut["shards"][:2], complete=False)
+    write_manifest(copy, cut)
+    assert vat_main(["prep", "capture", "--target", train_workspace["target"], "--data", train_workspace["data"],
+                     "--output", copy, "--shard-tokens", str(SHARD_TOKENS), "--no-progress"]) == 0
+    resumed = read_manifest(copy)
+    assert resumed["complete"] and [s["file"] for s in resumed["shards"]] == [s["file"] for s in manifest["shards"]]
+    assert os.path.getmtime(os.path.join(copy, cut["shards"][0]["file"])) == kept_mtime
+    last = manifest["shards"][-1]["file"]
+    a, b = load_file(os.path.join(captured, last)), load_file(os.path.join(copy, last))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(VatError, match="other settings"):  # the same directory, another shard size
+        capture(train_workspace["target"], train_workspace["data"], copy, shard_tokens=999, progress=False)
+
+
+def _gradients(cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's loss and the draft's parameter gradients, through the trainer's own step code."""
+    trainer = Trainer(cfg)
+    trainer.setup()
+    try:
+        _, batch = trainer.next_batch()
+        loss, _ = trainer.forward_loss(batch, trainer.step_context(0))
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in trainer.drafter.named_parameters() if p.grad is not None}
+    finally:
+        trainer.close()
+
+
+def test_training_from_a_capture_equals_online_training(train_workspace, captured, tmp_path):
+    online, offline = str(tmp_path / "online"), str(tmp_path / "capture")
+    train_main(train_config(train_workspace, online, *VAT))
+    train_main(train_config(train_workspace, offline, *VAT, f"data.capture={captured}"))
+    a, b = read_metrics(online), read_metrics(offline)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    assert a[-1]["union_scale"] > 0  # the union term pulled on the last steps
+    for ra, rb in zip(a, b):
+        assert ra["tokens"] == rb["tokens"]  # the same batches
+        for key in ("loss", "tau_sim", "acc_0", "acc_2", "vh_bce", "vh_auc", "union_sim", "union_scale",
+                    "grad_norm", "vh_grad_norm"):
+            if ra[key] is None:  # an undefined ratio (e.g. an AUC with one class) on both sides
+                assert rb[key] is None, (ra["step"], key)
+            else:
+                assert rb[key] == pytest.approx(ra[key], abs=1e-5, rel=1e-5), (ra["step"], key)
+    wa = load_file(os.path.join(online, "final", "model.safetensors"))
+    wb = load_file(os.path.join(offline, "final", "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], atol=1e-5, rtol=1e-5, msg=key)
+    # the first step's gradients, parameter by parameter
+    loss_a, grads_a = _gradients(train_config(train_workspace, str(tmp_path / "g_online"), *VAT))
+    loss_b, grads_b = _gradients(train_config(train_workspace, str(tmp_path / "g_capture"), *VAT,
+                                              f"data.capture={captured}"))
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-5, rtol=1e-5)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 5
+    for key in grads_a:
+        torch.testing.assert_close(grads_b[key], grads_a[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+def _refused(train_workspace, tmp_path, match: str, *overrides) -> None:
+    """The run stops with one VatError line matching ``match`` before any step (no metrics written)."""
+    out = str(tmp_path / "refused")
+    with pytest.raises(VatError, match=match) as err:
+        train_main(train_config(train_workspace, out, *overrides))
+    assert "\n" not in str(err.value)
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
+
+
+def test_bad_captures_stop_in_one_line_before_training(train_workspace, captured, tmp_path):
+    other = save_tiny_target(tmp_path / "other", "olmoe", num_experts=8, top_k=2, hidden_size=32)
+    _refused(train_workspace, tmp_path, "hidden size 64 .* has 32", f"data.capture={captured}", f"target.path={other}")
+    bad_vocab = str(tmp_path / "vocab")
+    shutil.copytree(captured, bad_vocab)
+    manifest = read_manifest(bad_vocab)
+    manifest["target"]["vocab_size"] = 512  # a capture from a target with another vocabulary
+    write_manifest(bad_vocab, manifest)
+    _refused(train_workspace, tmp_path, "vocab size 512", f"data.capture={bad_vocab}")
+    only_layer_1 = str(tmp_path / "aux")
+    capture(train_workspace["target"], train_workspace["data"], only_layer_1, aux_layer_ids=[1, 1, 1], progress=False)
+    _refused(train_workspace, tmp_path, r"capture holds \[1, 1, 1\] \(not \[0, 0\]\)", f"data.capture={only_layer_1}")
+    missing = str(tmp_path / "missing")
+    shutil.copytree(captured, missing)
+    os.remove(os.path.join(missing, read_manifest(missing)["shards"][1]["file"]))
+    _refused(train_workspace, tmp_path, "shard_00001.safetensors .* is missing", f"data.capture={missing}")
+    few = str(tmp_path / "few")
+    capture(train_workspace["target"], train_workspace["data"], few, limit=10, progress=False)
+    _refused(train_workspace, tmp_path, "lacks .* rows data.train keeps", f"data.capture={few}")
+    _refused(train_workspace, tmp_path, "budget.B is set", f"data.capture={captured}", "budget.B=2")
+    unfinished = str(tmp_path / "unfinished")
+    shutil.copytree(captured, unfinished)
+    manifest = read_manifest(unfinished)
+    write_manifest(unfinished, dict(manifest, complete=False, shards=manifest["shards"][:1]))
+    _refused(train_workspace, tmp_path, "unfinished", f"data.capture={unfinished}")
+    with open(os.path.join(unfinished, MANIFEST), "w") as f:
+        json.dump({"format": "other"}, f)
+    _refused(train_workspace, tmp_path, "format `other`", f"data.capture={unfinished}")
