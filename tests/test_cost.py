@@ -92,6 +92,57 @@ def test_unknown_accelerator_lists_the_known_ones():
     assert set(ACCELERATORS) == {"h100", "h200", "a100", "l40s"}
 
 
+def test_the_presets_are_the_pure_bytes_model():
+    h200 = get_accelerator("h200")
+    assert h200.eta == 1.0 and h200.latency_us == 0.0 and h200.pure_bytes and h200.name == "h200"
+    # 4328 bytes, 9984 FLOPs (test_forward_cost_is_the_hand_computation): bytes / 4.8e12, nothing added
+    assert roofline_seconds(h200, 4328, 9984) == 4328 / 4.8e12
+
+
+def test_eta_and_latency_price_a_forward_by_hand():
+    acc = get_accelerator("H200@eta=0.5,latency_us=3")
+    assert acc.name == "h200@eta=0.5,latency_us=3" and acc.eta == 0.5 and acc.latency_us == 3.0
+    assert acc.hbm_bytes_per_s == 4.8e12 and not acc.pure_bytes
+    # 4.8e6 bytes at half of 4.8 TB/s = 2 µs, plus 3 µs fixed = 5 µs (FLOPs 1 µs: memory bound)
+    assert roofline_seconds(acc, 4.8e6, 989.5e6) == pytest.approx(5e-6, rel=1e-12)
+    # compute bound: 9.895e9 FLOPs = 10 µs > 4.8e6 bytes at η 0.5 = 2 µs; + 3 µs
+    assert roofline_seconds(acc, 4.8e6, 9.895e9) == pytest.approx(13e-6, rel=1e-12)
+    # a bare knob takes the documented default (η 0.8, 10 µs); an unnamed knob keeps the pure value
+    assert get_accelerator("h100@eta").name == "h100@eta=0.8,latency_us=0"
+    assert get_accelerator("h100@latency_us").name == "h100@eta=1,latency_us=10"
+    assert get_accelerator("h100@eta,latency_us").name == "h100@eta=0.8,latency_us=10"
+
+
+def test_latency_is_paid_by_every_forward_ar_and_draft_alike():
+    lat = Accelerator("x", "x", 1.0, 1e30, "bandwidth only", latency_us=1e6)  # seconds = bytes + 1 per forward
+    model = CostModel(lat, SHAPE, served_bytes=1)
+    plain = CostModel(Accelerator("x", "x", 1.0, 1e30, "bandwidth only"), SHAPE, served_bytes=1)
+    draft = ModelShape(dense_params=50, dense_matmul_params=50, expert_params=[], top_k=0, kv_per_token=1,
+                       attn_flops_per_key=0)
+    rounds = [RoundStats(drafted=3, depth=3, accepted=2, reached=3, committed=3, union=[5, 6])]
+    gen = Generation(token_ids=list(range(4)), rounds=rounds, target_forwards=2, seconds=1.0, prompt_tokens=10)
+    with_lat, without = model.generation(gen, "chain", draft), plain.generation(gen, "chain", draft)
+    # the round: 3 draft forwards + 1 verification = 4 forwards; AR: 3 steps = 3 forwards
+    assert with_lat["modeled_seconds"] == pytest.approx(without["modeled_seconds"] + 4)
+    assert with_lat["modeled_draft_seconds"] == pytest.approx(without["modeled_draft_seconds"] + 3)
+    assert with_lat["modeled_ar_seconds"] == pytest.approx(without["modeled_ar_seconds"] + 3)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("h200@eta=0", "cost model `h200@eta=0`: eta must be in (0, 1], got 0"),
+    ("h200@eta=1.5", "cost model `h200@eta=1.5`: eta must be in (0, 1], got 1.5"),
+    ("h200@latency_us=-1", "cost model `h200@latency_us=-1`: latency_us must be >= 0, got -1"),
+    ("h200@eta=fast", "cost model `h200@eta=fast`: `eta` takes a number, got `fast`"),
+    ("h200@bw=2", "cost model `h200@bw=2`: unknown knob `bw`"),
+    ("h200@eta=0.5,eta=0.6", "cost model `h200@eta=0.5,eta=0.6`: repeated knob `eta`"),
+    ("b200@eta=0.5", "unknown cost model `b200@eta=0.5`: known accelerators are h100"),
+])
+def test_bad_knobs_are_one_line(spec, message):
+    with pytest.raises(VatError) as err:
+        get_accelerator(spec)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
 def test_mla_caches_the_latent_as_deepseek_v3s_config_defines_it():
     from transformers import DeepseekV3Config
 

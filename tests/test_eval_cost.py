@@ -23,6 +23,9 @@ def test_cost_model_and_evict_in_eval_json(saved_target_and_draft, spec_bench_fi
                       progress=False)
     assert result["settings"]["cost_model"] == "a100" and result["settings"]["tree_policy"] == "evict"
     assert result["cost_model"]["hbm_bytes_per_s"] == 2.039e12 and result["cost_model"]["served_bytes"] == 2
+    # the plain preset is the pure bytes model, and says so
+    assert (result["cost_model"]["eta"], result["cost_model"]["latency_us"]) == (1.0, 0.0)
+    assert result["cost_model"]["kind"] == "bytes model"
     assert result["evict_profile"]["source"].startswith("on the fly") and result["evict_profile"]["widths"][-1] == 5
     bench = result["benchmarks"][0]
     for label, per_budget in result["per_prompt"].items():
@@ -47,12 +50,15 @@ def test_cost_model_and_evict_in_eval_json(saved_target_and_draft, spec_bench_fi
     assert all(ids == by_draft["none"] for ids in by_draft.values())
     report = open(os.path.join(out, "report.md")).read()
     assert "### Modeled cost" in report and "modeled speed-up over AR" in report and "tree policy evict" in report
+    assert "bytes model" in report and "η = 1 and latency = 0 µs" in report
     with open(os.path.join(out, "modeled_speedup.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--cost-model", "b200"], "unknown cost model `b200`: known accelerators are h100, h200, a100, l40s"),
+    (["--cost-model", "b200"], "unknown cost model `b200`: known accelerators are h100, h200, a100, l40s "
+                               "(knobs: `h200@eta=0.8,latency_us=10`)"),
+    (["--cost-model", "h200@eta=2"], "cost model `h200@eta=2`: eta must be in (0, 1], got 2"),
     (["--verify-cost", "nowhere.json"], "--verify-cost is EVICT's profile: add --tree-policy evict"),
     (["--tree-policy", "evict", "--verify-cost", "nowhere.json"],
      "--verify-cost nowhere.json: no such file (write it with `vat profile --verify-widths ...`)"),

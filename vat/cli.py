@@ -232,8 +232,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    "output, or a draft's affinity.safetensors); default each draft's own")
     p.add_argument("--verify-cost", help="EVICT's verification-cost profile (profile.json of `vat profile "
                    "--verify-widths`); default: profiled on the fly on the first benchmark's first prompts")
-    p.add_argument("--cost-model", help="roofline cost model: h100 | h200 | a100 | l40s (data-sheet HBM bandwidth and "
-                   "bf16 FLOPs); adds modeled tokens/s and speed-up over AR to eval.json and the report")
+    p.add_argument("--cost-model", help="roofline bytes model: h100 | h200 | a100 | l40s (data-sheet HBM bandwidth "
+                   "and bf16 FLOPs), optionally with an achievable-bandwidth factor and a fixed latency per forward, "
+                   "h200@eta=0.8,latency_us=10 (a bare knob takes its documented default); adds modeled tokens/s and "
+                   "speed-up over AR to eval.json and the report")
     p.add_argument("--served-dtype", help="dtype the cost model prices weights and KV in (bfloat16 | float16 | float32 "
                    "| fp8, whatever dtype the eval runs in)")
     p.add_argument("--ngram-n", type=int, help="ngram draft: longest suffix matched, as vLLM's prompt_lookup_max")

@@ -42,7 +42,7 @@ class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's ev
     budgets: Optional[list[Any]] = None  # expert budgets B of this method's evaluation (ints, null, auto)
     policy: Optional[str] = None  # budget policy (vat eval --policy)
     vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
-    cost_model: Optional[str] = None  # roofline accelerator (h100 | h200 | a100 | l40s)
+    cost_model: Optional[str] = None  # roofline bytes model (h100 | h200 | a100 | l40s[@eta=η,latency_us=µs])
 
 
 @dataclass
@@ -67,7 +67,7 @@ class BenchEvalConfig:
     verify_cost: Optional[str] = EVAL_DEFAULTS.verify_cost  # EVICT's verification-cost profile; null = on the fly
     policy: str = EVAL_DEFAULTS.policy  # budget policy
     vh_threshold: Optional[float] = EVAL_DEFAULTS.vh_threshold  # stop drafting on the verification head's signal
-    cost_model: Optional[str] = EVAL_DEFAULTS.cost_model  # roofline accelerator: modeled tokens/s and speed-up
+    cost_model: Optional[str] = EVAL_DEFAULTS.cost_model  # roofline bytes model (h200, h200@eta=0.8,latency_us=10)
 
 
 @dataclass

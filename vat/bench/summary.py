@@ -30,6 +30,7 @@ from vat.bench.stats import (
     t_interval,
 )
 from vat.errors import VatError
+from vat.eval.cost import get_accelerator
 from vat.eval.quality import add_counts, empty_counts, summarize_quality
 
 BENCH_FORMAT_VERSION = 2  # 2: τ on delivered tokens; ratios with per-seed values, a t interval and `win`
@@ -399,7 +400,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "seeds": list(bench.seeds),
         "benchmarks": sorted({bench_name for (_, _, bench_name) in rows}, key=_bench_order(bench)),
         "budgets": budgets,
-        "cost_models": sorted({m for label in [None, *bench.methods]
+        "cost_models": sorted({get_accelerator(m).name for label in [None, *bench.methods]  # canonical spelling
                                if (m := method_eval(bench, label)["cost_model"]) is not None}),
         "progress": {"cells_done": done, "cells_total": len(cells), "complete": done == len(cells)},
         "interval": {"kind": "percentile bootstrap", "resampled": "seeds and prompts (crossed); paired for ratios",
@@ -601,7 +602,7 @@ def _table_head(summary: dict, conf: int, versus: list[str], best: str | None, s
     ref = summary["reference"]
     quality_head = "agreement | stepwise agreement | KL to natural | " if budgeted else ""
     acc = "/".join(summary.get("cost_models") or []) or "?"
-    cost_head = (f"expert MiB/token [{conf} % CI] | modeled {acc} speed-up over AR [{conf} % CI] | "
+    cost_head = (f"expert MiB/token [{conf} % CI] | modeled {acc} speed-up over AR (bytes model) [{conf} % CI] | "
                  f"modeled speed-up / {ref} [{conf} % CI] | ") if modeled else ""
     return [f"| method | τ [{conf} % CI] | {quality_head}{cost_head}ratio to {ref} [{conf} % CI] | "
             + "".join(f"ratio to {b}{' (best free)' if b == best and several_free else ''} "

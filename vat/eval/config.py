@@ -38,7 +38,7 @@ class EvalConfig:
     vh_threshold: Optional[float] = None  # stop drafting when the verification head's probability falls below
     tree_policy: str = "confidence"  # confidence (verify all drafted) | evict (EVICT) | ecospec (EcoSpec)
     verify_cost: Optional[str] = None  # EVICT's verification-cost profile; None = profiled on the fly
-    cost_model: Optional[str] = None  # roofline accelerator (h100 | h200 | a100 | l40s): modeled tokens/s, speed-up
+    cost_model: Optional[str] = None  # roofline bytes model (h100 | h200 | a100 | l40s[@eta=η,latency_us=µs])
     served_dtype: str = "bfloat16"  # the dtype the cost model prices weights and KV in
     ecospec_lambda: float = 1.0  # EcoSpec's λ: nats of draft log-probability one predicted new expert costs
     affinity: Optional[str] = None  # EcoSpec's expert predictor; None = each draft's own affinity.safetensors

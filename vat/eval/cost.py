@@ -20,16 +20,22 @@ the same target forward with T = 1 and U_l = k. The modeled speed-up over AR of 
 generating the same tokens autoregressively (one step per token after the prefill's, at the same contexts) over the
 modeled time of its rounds; the prefill is left out of both (it is the same forward either way).
 
-Assumptions (docs/eval.md "Cost model"): every byte is read from HBM once per forward at the full data-sheet
-bandwidth (no cache reuse across forwards, no efficiency factor η), kernels overlap perfectly inside a forward, no
-launch overheads, batch size 1, the input embedding reads only the T rows it looks up (the LM head reads all of it).
-The model ranks configurations; it does not promise absolute tokens/s.
+It is a bytes model: a forward's time follows the bytes it moves (and its FLOPs when those dominate). Two knobs make
+it less ideal, both off in the plain presets (``h200``: η = 1, no fixed latency) and set with ``name@key=value,...``
+(:func:`get_accelerator`): an achievable-bandwidth factor η (bytes move at η · the data-sheet bandwidth) and a fixed
+latency per forward (launches, synchronisation, the framework), added to every forward, the draft's included:
+
+    t = latency + max(bytes / (η · HBM bandwidth), FLOPs / dense bf16 peak)
+
+Assumptions (docs/eval.md "Cost model"): every byte is read from HBM once per forward (no cache reuse across
+forwards), compute and memory overlap perfectly inside a forward, batch size 1, the input embedding reads only the T
+rows it looks up (the LM head reads all of it). The model ranks configurations; it does not promise absolute tokens/s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from vat.errors import VatError
 
@@ -46,6 +52,8 @@ class Accelerator:
         hbm_bytes_per_s: memory bandwidth, bytes/s.
         bf16_flops_per_s: dense bf16 peak, FLOP/s.
         source: where the figures come from.
+        eta: achievable-bandwidth factor η in (0, 1]: bytes move at η · ``hbm_bytes_per_s`` (1 = the data sheet).
+        latency_us: fixed microseconds every forward costs on top of its roofline time (0 = none).
     """
 
     name: str
@@ -53,11 +61,18 @@ class Accelerator:
     hbm_bytes_per_s: float
     bf16_flops_per_s: float
     source: str
+    eta: float = 1.0
+    latency_us: float = 0.0
 
     @property
     def ridge(self) -> float:
-        """FLOPs per byte above which a forward is compute bound."""
-        return self.bf16_flops_per_s / self.hbm_bytes_per_s
+        """FLOPs per byte above which a forward is compute bound (at the achievable bandwidth)."""
+        return self.bf16_flops_per_s / (self.eta * self.hbm_bytes_per_s)
+
+    @property
+    def pure_bytes(self) -> bool:
+        """Whether this is the plain data-sheet roofline (η = 1, no fixed latency)."""
+        return self.eta == 1.0 and self.latency_us == 0.0
 
 
 # Data-sheet figures. NVIDIA quotes bf16 tensor-core peaks "with sparsity"; the dense figure is half of it.
@@ -77,18 +92,56 @@ ACCELERATORS: dict[str, Accelerator] = {
 }
 ALIASES = {"h100-sxm": "h100", "h200-sxm": "h200", "a100-80gb": "a100", "a100-sxm": "a100"}
 
+# The two knobs of ``name@key=value,...`` and the value a key given without ``=value`` takes (docs/eval.md "Cost
+# model" gives the sources): η = 0.8, inside the 0.6-0.85 that grouped MoE GEMMs reach on few tokens per expert and the
+# ~78-84 % that coalesced weight loads reach on an H100; 10 µs per forward, a CUDA-graph replay of one decode step
+# (one graph launch, ~5 µs, plus the gaps between its kernels). Until `benchmarks/moe_kernel.py` has measured η on the
+# GPU (its "% peak" column), these are assumptions, not measurements.
+COST_KNOBS = {"eta": 0.8, "latency_us": 10.0}
+
+
+def _knobs(spec: str, text: str) -> dict[str, float]:
+    """``eta=0.8,latency_us=10`` -> the knobs' values (a bare key = its documented default); one line on bad input."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        key, eq, value = (x.strip().lower() for x in part.partition("="))
+        if key not in COST_KNOBS or key in out:
+            what = "repeated" if key in out else "unknown"
+            raise VatError(f"cost model `{spec}`: {what} knob `{key}` (knobs: eta in (0, 1], latency_us >= 0; "
+                           "e.g. h200@eta=0.8,latency_us=10)")
+        try:
+            out[key] = float(value) if eq else COST_KNOBS[key]
+        except ValueError:
+            raise VatError(f"cost model `{spec}`: `{key}` takes a number, got `{value}`") from None
+    if not 0 < out.get("eta", 1.0) <= 1:
+        raise VatError(f"cost model `{spec}`: eta must be in (0, 1], got {out['eta']:g}")
+    if out.get("latency_us", 0.0) < 0:
+        raise VatError(f"cost model `{spec}`: latency_us must be >= 0, got {out['latency_us']:g}")
+    return out
+
 
 def get_accelerator(name: str) -> Accelerator:
-    """The accelerator ``name`` names (case-insensitive).
+    """The accelerator ``name`` names (case-insensitive): a preset (``h200``: the pure bytes model, η = 1, no fixed
+    latency), or a preset with knobs, ``h200@eta=0.8,latency_us=10`` (a bare ``eta`` / ``latency_us`` takes its
+    documented default, :data:`COST_KNOBS`). The returned accelerator's ``name`` is the canonical spelling.
 
     Raises:
-        VatError: an unknown name, in one line listing the known ones.
+        VatError: an unknown name, knob or bad value, in one line.
     """
-    key = str(name).strip().lower()
+    spec = str(name).strip()
+    base, at, knobs = spec.partition("@")
+    key = base.strip().lower()
     key = ALIASES.get(key, key)
     if key not in ACCELERATORS:
-        raise VatError(f"unknown cost model `{name}`: known accelerators are {', '.join(ACCELERATORS)}")
-    return ACCELERATORS[key]
+        raise VatError(f"unknown cost model `{name}`: known accelerators are {', '.join(ACCELERATORS)} "
+                       "(knobs: `h200@eta=0.8,latency_us=10`)")
+    if not at:
+        return ACCELERATORS[key]
+    values = _knobs(spec, knobs)
+    eta, latency_us = values.get("eta", 1.0), values.get("latency_us", 0.0)
+    acc = ACCELERATORS[key]
+    return replace(acc, name=f"{key}@eta={eta:g},latency_us={latency_us:g}", eta=eta, latency_us=latency_us,
+                   label=f"{acc.label}, η {eta:g}, {latency_us:g} µs/forward")
 
 
 @dataclass
@@ -224,8 +277,8 @@ def forward_cost(shape: ModelShape, tokens: int, context: int, union: Sequence[i
 
 
 def roofline_seconds(acc: Accelerator, nbytes: float, flops: float) -> float:
-    """max(bytes / bandwidth, FLOPs / peak)."""
-    return max(nbytes / acc.hbm_bytes_per_s, flops / acc.bf16_flops_per_s)
+    """latency + max(bytes / (η · bandwidth), FLOPs / peak) (the plain presets: η = 1, latency 0)."""
+    return acc.latency_us * 1e-6 + max(nbytes / (acc.eta * acc.hbm_bytes_per_s), flops / acc.bf16_flops_per_s)
 
 
 def verify_seconds(acc: Accelerator, shape: ModelShape, tokens: int, context: int, union: Sequence[int],
@@ -308,9 +361,10 @@ class CostModel:
     def describe(self) -> dict:
         """The ``cost_model`` record of eval.json."""
         acc = self.accelerator
-        return {"accelerator": acc.name, "label": acc.label, "hbm_bytes_per_s": acc.hbm_bytes_per_s,
-                "bf16_flops_per_s": acc.bf16_flops_per_s, "source": acc.source, "served_bytes": self.served_bytes,
-                "target_shape": self.target.to_dict()}
+        return {"accelerator": acc.name, "label": acc.label, "kind": "bytes model",
+                "hbm_bytes_per_s": acc.hbm_bytes_per_s, "bf16_flops_per_s": acc.bf16_flops_per_s,
+                "eta": acc.eta, "latency_us": acc.latency_us, "source": acc.source,
+                "served_bytes": self.served_bytes, "target_shape": self.target.to_dict()}
 
 
 def served_bytes_of(dtype: str) -> int:

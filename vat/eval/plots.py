@@ -179,7 +179,7 @@ def plot_modeled_speedup(result: dict, path: str) -> str:
     ax.set_xlabel("benchmark")
     ax.set_ylabel("modeled speed-up over AR")
     model = result["cost_model"]
-    ax.set_title(f"Modeled speed-up on {model['label']} ({model['served_bytes']}-byte weights, roofline)")
+    ax.set_title(f"Modeled speed-up on {model['label']} ({model['served_bytes']}-byte weights, bytes model)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -119,7 +119,7 @@ def cost_table(result: dict, benchmark: str | None) -> str:
     if not model:
         return ""
     acc = model["label"]
-    lines = [f"| draft | budget | τ | modeled ms/round ({acc}) | of which drafting | modeled tok/s | "
+    lines = [f"| draft | budget | τ | modeled ms/round ({acc}, bytes model) | of which drafting | modeled tok/s | "
              "modeled AR tok/s | modeled speed-up over AR |", "|---|---|---|---|---|---|---|---|"]
     for draft, budget, m in _configs(result, benchmark):
         c = m.get("cost")
@@ -135,9 +135,11 @@ def cost_table(result: dict, benchmark: str | None) -> str:
 
 def _cost_note(result: dict) -> str:
     model = result["cost_model"]
-    return (f"Modeled on {model['label']} ({model['source']}), weights and KV in {model['served_bytes']}-byte "
-            "elements: each forward takes max(bytes / bandwidth, FLOPs / peak), bytes = dense weights + the executed "
-            "expert union + KV read; speed-up = modeled AR time of the same tokens / modeled time (docs/eval.md).")
+    eta, latency = model.get("eta", 1.0), model.get("latency_us", 0.0)  # absent: a record before the knobs (pure)
+    return (f"A bytes model, on {model['label']} ({model['source']}), weights and KV in {model['served_bytes']}-byte "
+            f"elements: each forward takes latency + max(bytes / (η · bandwidth), FLOPs / peak) with η = {eta:g} and "
+            f"latency = {latency:g} µs, bytes = dense weights + the executed expert union + KV read; speed-up = "
+            "modeled AR time of the same tokens / modeled time (docs/eval.md).")
 
 
 def markdown_summary(result: dict) -> str:
