@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import read_metrics, train_config
+from helpers import read_metrics, train_config, train_overrides
 from safetensors.torch import load_file
 from tiny_models import save_tiny_target
 
@@ -148,3 +150,25 @@ def test_bad_captures_stop_in_one_line_before_training(train_workspace, captured
     with open(os.path.join(unfinished, MANIFEST), "w") as f:
         json.dump({"format": "other"}, f)
     _refused(train_workspace, tmp_path, "format `other`", f"data.capture={unfinished}")
+
+
+def test_two_processes_from_a_capture_equal_one_process_on_the_same_global_batches(train_workspace, captured,
+                                                                                     tmp_path):
+    """Each rank reads the capture rows of its own batches (global batches r, r + 2, ...): 2 gloo processes from a
+    capture train as 1 process with grad_accum=2 from it, step for step."""
+    two, one = tmp_path / "two", str(tmp_path / "one")
+    common = ("method=vat", "loss.union_weight=0.1", "loss.union_scale_warmup=1", "drafter.ttt_steps=3",
+              "train.max_steps=3", "train.save_every=0", f"data.capture={captured}")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: vat\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "vat",
+           "train", str(recipe), *train_overrides(train_workspace, str(two)), *common]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    train_main(train_config(train_workspace, one, *common, "train.grad_accum=2"))
+    a, b = read_metrics(str(two)), read_metrics(one)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3] and b[-1]["union_scale"] > 0
+    for ra, rb in zip(a, b):
+        for key in ("tokens", "loss", "tau_sim", "acc_0", "vh_bce", "union_sim", "grad_norm", "union_scale"):
+            assert ra[key] == pytest.approx(rb[key], rel=2e-5, abs=1e-6), (ra["step"], key)
