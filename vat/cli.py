@@ -238,6 +238,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    "speed-up over AR to eval.json and the report")
     p.add_argument("--served-dtype", help="dtype the cost model prices weights and KV in (bfloat16 | float16 | float32 "
                    "| fp8, whatever dtype the eval runs in)")
+    p.add_argument("--offload", help="expert offloading model: resident experts per MoE layer, a comma list (e.g. "
+                   "8,12), each a modeled GPU cache with the rest in host memory; adds H2D bytes per token, hit rate "
+                   "and modeled speed-up under offload for every decode (needs --cost-model)")
+    p.add_argument("--offload-policy", help="which resident expert a load evicts: lru | lfu (default lru)")
+    p.add_argument("--offload-link", help="host-to-device link: pcie5 (PCIe 5.0 x16, 64 GB/s per direction) | c2c "
+                   "(GH200 NVLink-C2C, 450 GB/s per direction); default pcie5")
     p.add_argument("--ngram-n", type=int, help="ngram draft: longest suffix matched, as vLLM's prompt_lookup_max")
     p.add_argument("--ngram-min", type=int, help="ngram draft: shortest suffix matched, as vLLM's prompt_lookup_min")
     p.add_argument("--ngram-rule", help="ngram draft: copy after the earliest occurrence of the matched suffix "

@@ -16,6 +16,7 @@ from vat.config import DEFAULT_BUDGET_POLICY, closest_hint
 from vat.errors import VatError
 from vat.eval.cost import get_accelerator, served_bytes_of
 from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, RULES
+from vat.eval.offload import OffloadSpec
 from vat.eval.tree import TreeSpec
 from vat.target.budget import POLICIES
 
@@ -40,6 +41,9 @@ class EvalConfig:
     verify_cost: Optional[str] = None  # EVICT's verification-cost profile; None = profiled on the fly
     cost_model: Optional[str] = None  # roofline bytes model (h100 | h200 | a100 | l40s[@eta=η,latency_us=µs])
     served_dtype: str = "bfloat16"  # the dtype the cost model prices weights and KV in
+    offload: Optional[str] = None  # expert offloading: resident experts per MoE layer, "8,16" (one model per C)
+    offload_policy: str = "lru"  # which resident expert a load evicts: lru | lfu (vat.eval.offload)
+    offload_link: str = "pcie5"  # host-to-device link: pcie5 (64 GB/s) | c2c (GH200 NVLink-C2C, 450 GB/s)
     ecospec_lambda: float = 1.0  # EcoSpec's λ: nats of draft log-probability one predicted new expert costs
     affinity: Optional[str] = None  # EcoSpec's expert predictor; None = each draft's own affinity.safetensors
     commitment: Optional[str] = None  # AcceptMoE's p̂_d (eval.json or JSON list); None = the prior 0.8^d
@@ -99,6 +103,7 @@ class CheckedEval:
     config: EvalConfig
     tree: TreeSpec | None
     budgets: list[int | str | None]
+    offload: OffloadSpec | None = None
 
     def __getattr__(self, name: str) -> Any:  # the config's fields read through (steps, policy, temperature ...)
         return getattr(self.config, name)
@@ -135,7 +140,19 @@ def check_eval_config(cfg: EvalConfig) -> CheckedEval:
         raise VatError(f"--budget {SELF_SIZED} (a self-sized expert set) needs --policy acceptmoe")
     if cfg.commitment is not None and cfg.policy != "acceptmoe":
         raise VatError("--commitment is AcceptMoE's estimate: add --policy acceptmoe")
-    return CheckedEval(config=cfg, tree=tree, budgets=budgets)
+    return CheckedEval(config=cfg, tree=tree, budgets=budgets, offload=_offload(cfg))
+
+
+def _offload(cfg: EvalConfig) -> OffloadSpec | None:
+    """The offload model's settings (None without ``offload``); its knobs alone, or without a cost model, stop."""
+    if cfg.offload is None:
+        if (cfg.offload_policy, cfg.offload_link) != (EVAL_DEFAULTS.offload_policy, EVAL_DEFAULTS.offload_link):
+            raise VatError("--offload-policy / --offload-link set the offload model: add --offload C[,C...]")
+        return None
+    spec = OffloadSpec.parse(cfg.offload, cfg.offload_policy, cfg.offload_link)
+    if cfg.cost_model is None:
+        raise VatError("--offload adds host-to-device time to the modeled forwards: add --cost-model (e.g. h200)")
+    return spec
 
 
 def check_eval_section(where: str, *, policy: str | None = None, tree_policy: str | None = None,

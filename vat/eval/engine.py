@@ -64,6 +64,11 @@ class RoundStats:
         union: experts executed per MoE layer in the verification forward (sentinel slots excluded), length L'.
         drafted_depth: depth the draft ran to (a tree's levels drafted, whatever its selection kept; a chain's length
             before EVICT cut it; -1 = ``depth``); the cost model prices the draft forwards that really ran.
+        expert_sets: with ``record_experts``: the experts the verification forward executed, per MoE layer (sorted
+            ids, sentinel slots excluded; ``len(expert_sets[l]) == union[l]``); None otherwise.
+        input_experts: with ``record_experts``: (a + 1, L', k) executed ids at the block positions whose tokens were
+            committed as inputs (the root, then the accepted drafts; tree: the accepted path), i.e. what an
+            autoregressive step of each of those tokens executes; the sentinel ``num_experts`` marks a dropped slot.
     """
 
     drafted: int
@@ -73,6 +78,8 @@ class RoundStats:
     committed: int = 0
     union: list[int] = field(default_factory=list)
     drafted_depth: int = -1
+    expert_sets: list[list[int]] | None = None
+    input_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -124,6 +131,8 @@ class SpeculativeEngine:
             ``acceptmoe`` (``budget`` ``"auto"`` = self-sized; an int fixes |S|).
         max_new_tokens: generated tokens per sequence (the prefill's token included).
         eos_token_ids: tokens that end a sequence.
+        record_experts: keep each round's executed expert ids (``RoundStats.expert_sets`` / ``input_experts``), the
+            trace the offload model (:mod:`vat.eval.offload`) replays.
     """
 
     def __init__(
@@ -142,6 +151,7 @@ class SpeculativeEngine:
         acceptmoe=None,
         max_new_tokens: int = 256,
         eos_token_ids: Iterable[int] = (),
+        record_experts: bool = False,
     ):
         if is_free_draft(drafter) and tree is not None:
             raise VatError("n-gram and suffix drafts are chains of --steps tokens: drop --tree for them")
@@ -158,6 +168,7 @@ class SpeculativeEngine:
         self.ecospec = ecospec
         self.max_new_tokens = max_new_tokens
         self.eos = {int(t) for t in eos_token_ids}
+        self.record_experts = record_experts
         self._window = sliding_window_limit(target.config) if tree is not None else None
         self._lookups = drafter.session() if is_free_draft(drafter) else None
 
@@ -279,11 +290,22 @@ class SpeculativeEngine:
         groups = torch.zeros(1, topk_ids.shape[2], dtype=torch.long, device=topk_ids.device)  # (1, T)
         return window_union(topk_ids, groups, 1, self.target.num_experts)[:, 0].tolist()
 
+    def _stats(self, topk_ids: torch.Tensor, path: list[int], **counts) -> RoundStats:
+        """A round's :class:`RoundStats` with its union of (L', 1, T, k) executed ids and, with ``record_experts``,
+        the ids themselves (``path``: block indices of the committed inputs, root first)."""
+        stats = RoundStats(**counts, union=self._union(topk_ids))
+        if self.record_experts:
+            ids = topk_ids[:, 0].cpu()  # (L', T, k)
+            E = self.target.num_experts
+            stats.expert_sets = [sorted({int(e) for e in layer.flatten().tolist() if e < E}) for layer in ids]
+            stats.input_experts = ids[:, path].permute(1, 0, 2).contiguous()  # (a + 1, L', k)
+        return stats
+
     def _ar_round(self, cache, root: int, generator) -> _Outcome:
         block = torch.tensor([[root]], device=self.target.device)  # (1, 1)
         out = self.target.forward(block, past_key_values=cache, use_cache=True, budget=self.budget, output_aux=False)
         token = choose_token(out.logits[0, -1], self.temperature, generator)
-        stats = RoundStats(drafted=0, depth=0, accepted=0, reached=0, union=self._union(out.topk_ids))
+        stats = self._stats(out.topk_ids, [0], drafted=0, depth=0, accepted=0, reached=0)
         return _Outcome(stats=stats, tokens=[token], aux=None)
 
     def _chain_round(self, cache, draft: ChainDraft, root: int, generator) -> _Outcome:
@@ -301,9 +323,8 @@ class SpeculativeEngine:
         a = verdict.accepted
         crop_cache(cache, n + a + 1)
         drafted = int(draft.tokens.shape[0])
-        stats = RoundStats(
-            drafted=drafted, depth=drafted, accepted=a, reached=min(a + 1, drafted), union=self._union(out.topk_ids)
-        )
+        stats = self._stats(out.topk_ids, list(range(a + 1)), drafted=drafted, depth=drafted, accepted=a,
+                            reached=min(a + 1, drafted))
         tokens = draft.tokens[:a].tolist() + [verdict.next_token]
         return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, : a + 1] if eagle else None)
 
@@ -330,9 +351,7 @@ class SpeculativeEngine:
         path = torch.tensor(verdict.path, device=device)  # (a + 1,) block indices, root first
         select_cache_positions(cache, torch.cat([torch.arange(n, device=device), n + path]))
         a = len(verdict.path) - 1
-        stats = RoundStats(
-            drafted=len(tree), depth=max(tree.depths, default=0), accepted=a, reached=verdict.reached,
-            union=self._union(out.topk_ids), drafted_depth=drafted_depth,
-        )
+        stats = self._stats(out.topk_ids, list(verdict.path), drafted=len(tree), depth=max(tree.depths, default=0),
+                            accepted=a, reached=verdict.reached, drafted_depth=drafted_depth)
         tokens = [tree.tokens[b - 1] for b in verdict.path[1:]] + [verdict.next_token]
         return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, path])

@@ -142,11 +142,38 @@ def _cost_note(result: dict) -> str:
             "modeled AR time of the same tokens / modeled time (docs/eval.md).")
 
 
+def offload_table(result: dict, benchmark: str | None) -> str:
+    """The expert-offloading table (``--offload``): one row per draft x budget x cache size, or '' without it."""
+    spec = result.get("offload")
+    if not spec:
+        return ""
+    acc = result["cost_model"]["label"]
+    lines = [f"| draft | budget | C | τ | hit rate | H2D MiB/token | AR H2D MiB/token | modeled tok/s under offload "
+             f"({acc}, bytes model) | modeled speed-up over AR under offload |", "|---|---|---|---|---|---|---|---|---|"]
+    for draft, budget, m in _configs(result, benchmark):
+        for size, o in (m.get("offload") or {}).items():
+            mib = [None if o[k] is None else o[k] / MIB for k in ("h2d_bytes_per_token", "ar_h2d_bytes_per_token")]
+            lines.append(f"| {draft} | {budget} | {size} | {_fmt(m['tau'])} | {_quality(o['hit_rate'], 'pct')} | "
+                         f"{_fmt(mib[0], 3)} | {_fmt(mib[1], 3)} | {_fmt(o['modeled_offload_tokens_per_s'], 0)} | "
+                         f"{_fmt(o['modeled_offload_speedup_vs_ar'], 3)} |")
+    return "\n".join(lines)
+
+
+def _offload_note(result: dict) -> str:
+    spec = result["offload"]
+    return (f"Expert offloading: C resident experts per MoE layer ({spec['policy'].upper()} eviction, the cache warm), "
+            f"the rest in host memory over {spec['link_label']} ({spec['link_bytes_per_s'] / 1e9:g} GB/s per "
+            "direction); a forward's misses cross the link before it runs (modeled time = the bytes model's + H2D "
+            "bytes / link bandwidth); AR = the same tokens one forward each (docs/eval.md \"Expert offloading\").")
+
+
 def markdown_summary(result: dict) -> str:
     """The pooled table plus one table per benchmark (what `vat eval` prints)."""
     parts = ["All benchmarks pooled:", "", metrics_table(_configs(result, None))]
     if result.get("cost_model"):
         parts += ["", _cost_note(result), "", cost_table(result, None)]
+    if result.get("offload"):
+        parts += ["", _offload_note(result), "", offload_table(result, None)]
     for name in result["benchmarks"]:
         parts += ["", f"{name}:", "", metrics_table(_configs(result, name))]
     return "\n".join(parts)
@@ -216,6 +243,8 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
     ]
     if result.get("cost_model"):
         lines += ["", "### Modeled cost", "", _cost_note(result), "", cost_table(result, None)]
+    if result.get("offload"):
+        lines += ["", "### Expert offloading", "", _offload_note(result), "", offload_table(result, None)]
     for name in result["benchmarks"]:
         skipped = result["skipped"].get(name, {}).get("too_long", 0)
         lines += ["", f"## {name}", ""]
@@ -230,6 +259,8 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
             lines += ["", example_block(result["examples"][name])]
         if result.get("cost_model"):
             lines += ["", "Modeled cost:", "", cost_table(result, name)]
+        if result.get("offload"):
+            lines += ["", "Expert offloading:", "", offload_table(result, name)]
         lines += ["", "τ per category:", "", category_table(result, name)]
     if figures:
         lines += ["", "## Figures", ""]

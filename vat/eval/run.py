@@ -43,6 +43,8 @@ from vat.eval.evict import Evict
 from vat.eval.free_drafts import is_free_draft, parse_free_draft
 from vat.eval.metrics import PromptRun, by_category, prompt_counts, prompt_totals, set_speedups, summarize
 from vat.eval.ngram import NgramSpec
+from vat.eval.offload import add_offload, pooled_offload
+from vat.eval.offload import describe as describe_offload
 from vat.eval.prompts import decode, eos_token_ids, render_chat
 from vat.eval.quality import (
     add_counts,
@@ -236,7 +238,8 @@ def _decode_prompt(engine, tokenizer, prompt, index: int, seed: int) -> tuple[Pr
     return run, ids, texts
 
 
-def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_new_tokens, eos, evict=None):
+def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_new_tokens, eos, evict=None,
+            record_experts: bool = False):
     drafter = config.draft.model
     if config.draft.aux_layer_ids is not None:
         target.aux_layer_ids = list(config.draft.aux_layer_ids)  # the features this draft reads
@@ -250,7 +253,7 @@ def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_
         target, drafter, steps=steps, tree=tree if eagle else None, temperature=temperature,
         budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, evict=evict,
         ecospec=config.draft.ecospec if eagle else None, acceptmoe=config.draft.acceptmoe,
-        max_new_tokens=max_new_tokens, eos_token_ids=eos,
+        max_new_tokens=max_new_tokens, eos_token_ids=eos, record_experts=record_experts,
     )
 
 
@@ -382,6 +385,8 @@ def _set_up(target, drafts, settings: CheckedEval, *, tokenizer, autoregressive:
     eagle = [d for d in entries if not d.is_free]
     target_obj = _load_target(target, eagle, cfg.dtype, cfg.device, ngram=len(eagle) < len(entries),
                               experts_impl=cfg.experts_impl, device_map=cfg.device_map)
+    if settings.offload is not None:  # C against the target's k and E, before anything decodes
+        settings.offload.check(target_obj.num_experts, target_obj.top_k)
     _attach(eagle, target_obj, cfg.vh_threshold)
     _attach_policies(eagle, target_obj, settings.tree, cfg.tree_policy, cfg.ecospec_lambda, cfg.affinity,
                      cfg.policy, cfg.commitment)
@@ -458,7 +463,8 @@ def _evaluate_pass(run: _Run, config: RunConfig, name: str, prompts: list, gen_f
     s = run.settings
     E = run.target.num_experts
     engine = _engine(run.target, config, steps=s.steps, tree=s.tree, temperature=s.temperature, policy=s.policy,
-                     max_new_tokens=run.max_new_tokens, eos=run.eos, evict=run.evict)
+                     max_new_tokens=run.max_new_tokens, eos=run.eos, evict=run.evict,
+                     record_experts=s.offload is not None)
     runs = _run_config(engine, run.tok, prompts, config, name, s.temperature, run.seed, gen_file, run.progress,
                        run.bytes_per_layer)
     metrics = summarize(runs, run.bytes_per_layer, E)
@@ -471,6 +477,8 @@ def _evaluate_pass(run: _Run, config: RunConfig, name: str, prompts: list, gen_f
     ]
     if run.cost is not None:
         add_costs(run.cost, engine, runs, metrics, out.per_prompt[label][budget][name])
+    if s.offload is not None:
+        add_offload(s.offload, run.cost, runs, metrics, out.per_prompt[label][budget][name], E)
     out.all_runs.setdefault((label, budget), []).extend(runs)
     return runs
 
@@ -481,9 +489,11 @@ def _pooled(run: _Run, out: _Collected) -> dict[str, dict[str, dict]]:
     pooled: dict[str, dict[str, dict]] = {}
     for (label, budget), runs in out.all_runs.items():
         pooled.setdefault(label, {})[budget] = summarize(runs, run.bytes_per_layer, E)
+        entries = [e for per in out.per_prompt[label][budget].values() for e in per]
         if run.cost is not None:
-            pooled[label][budget]["cost"] = pooled_cost(
-                [e for per in out.per_prompt[label][budget].values() for e in per])
+            pooled[label][budget]["cost"] = pooled_cost(entries)
+        if run.settings.offload is not None:
+            pooled[label][budget]["offload"] = pooled_offload(run.settings.offload, entries)
         if (label, budget) in out.pooled_quality:
             pooled[label][budget]["quality"] = summarize_quality(
                 out.pooled_quality[(label, budget)], run.settings.temperature == 0,
@@ -511,6 +521,9 @@ def _settings_record(run: _Run) -> dict:
         "commitment": cfg.commitment if cfg.policy == "acceptmoe" else None,
         "cost_model": None if cfg.cost_model is None else run.cost.accelerator.name,
         "served_dtype": cfg.served_dtype if cfg.cost_model is not None else None,
+        "offload": None if s.offload is None else list(s.offload.capacities),
+        "offload_policy": None if s.offload is None else s.offload.policy,
+        "offload_link": None if s.offload is None else s.offload.link,
     }
 
 
@@ -522,6 +535,7 @@ def _result(run: _Run, out: _Collected, settings: dict, *, seconds: float) -> di
         "target_info": _target_info(run, run.settings.config.device_map),
         "settings": settings,
         "cost_model": run.cost.describe() if run.settings.cost_model is not None else None,
+        "offload": describe_offload(run.settings.offload) if run.settings.offload is not None else None,
         "evict_profile": run.evict[1].to_dict() if run.evict is not None and run.evict[1] is not None else None,
         "drafts": {
             **({AR_LABEL: {"path": None, "mode": "ar", "verification_head": False, "vh_threshold": None}}
