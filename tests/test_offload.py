@@ -8,6 +8,8 @@ import torch
 from helpers import olmoe_with_eagle3_drafts
 
 import vat.eval.run as run_module
+from vat.bench.cells import eval_settings
+from vat.bench.config import load_bench_config
 from vat.cli import main as cli_main
 from vat.errors import VatError
 from vat.eval.config import check_eval_config, eval_config
@@ -184,3 +186,16 @@ def test_the_recorded_trace_of_chain_and_tree_rounds(tree):
                 assert all(set(ids) <= set(s) for ids, s in zip(input_sets(r.input_experts, pos, 8), r.expert_sets))
     finally:
         target.close()
+
+
+def test_a_bench_passes_offload_through_its_eval_section():
+    base = ["methods.a.recipe=tiny/eagle3.yaml", "reference=a"]
+    bench = load_bench_config(None, [*base, "eval.cost_model=h200", "eval.offload='4,6'", "eval.offload_link=c2c"])
+    settings = eval_settings(bench, method="a")  # what every cell's run_eval gets
+    assert (settings["offload"], settings["offload_link"], settings["cost_model"]) == ("4,6", "c2c", "h200")
+    assert "offload_policy" not in settings  # at its default: left out, as every variant (finished cells stay)
+    assert "offload" not in eval_settings(load_bench_config(None, base), method="a")
+    with pytest.raises(VatError, match=r"bench config key `eval.offload_policy`: one of lru, lfu"):
+        load_bench_config(None, [*base, "eval.offload=4", "eval.cost_model=h200", "eval.offload_policy=fifo"])
+    with pytest.raises(VatError, match=r"`eval.offload`: it prices forwards on the cost model: set eval.cost_model"):
+        load_bench_config(None, [*base, "eval.offload=4"])

@@ -68,6 +68,9 @@ class BenchEvalConfig:
     policy: str = EVAL_DEFAULTS.policy  # budget policy
     vh_threshold: Optional[float] = EVAL_DEFAULTS.vh_threshold  # stop drafting on the verification head's signal
     cost_model: Optional[str] = EVAL_DEFAULTS.cost_model  # roofline bytes model (h200, h200@eta=0.8,latency_us=10)
+    offload: Optional[str] = EVAL_DEFAULTS.offload  # expert offloading: resident experts per layer, "8,16" (cost_model)
+    offload_policy: str = EVAL_DEFAULTS.offload_policy  # lru | lfu: which resident expert a load evicts
+    offload_link: str = EVAL_DEFAULTS.offload_link  # pcie5 | c2c: the host-to-device link
 
 
 @dataclass
@@ -243,3 +246,6 @@ def _check_bench_eval(cfg: Any) -> None:
     for where, ev in sections:
         check_eval_section(where, policy=ev.policy, tree_policy=ev.tree_policy, tree=ev.tree,
                            cost_model=ev.cost_model, budgets=list(ev.budgets) if ev.budgets is not None else [None])
+    ev = cfg.eval
+    check_eval_section("eval", offload=ev.offload, offload_policy=ev.offload_policy, offload_link=ev.offload_link,
+                       cost_model=ev.cost_model)

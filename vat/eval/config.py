@@ -16,7 +16,7 @@ from vat.config import DEFAULT_BUDGET_POLICY, closest_hint
 from vat.errors import VatError
 from vat.eval.cost import get_accelerator, served_bytes_of
 from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, RULES
-from vat.eval.offload import OffloadSpec
+from vat.eval.offload import HOST_LINKS, RESIDENCY_POLICIES, OffloadSpec
 from vat.eval.tree import TreeSpec
 from vat.target.budget import POLICIES
 
@@ -156,7 +156,9 @@ def _offload(cfg: EvalConfig) -> OffloadSpec | None:
 
 
 def check_eval_section(where: str, *, policy: str | None = None, tree_policy: str | None = None,
-                       tree: str | None = None, cost_model: str | None = None, budgets: list | None = None) -> None:
+                       tree: str | None = None, cost_model: str | None = None, budgets: list | None = None,
+                       offload: str | None = None, offload_policy: str | None = None,
+                       offload_link: str | None = None) -> None:
     """The choices an evaluation's settings must come from, checked where they are written: ``where`` is ``--`` for
     `vat eval`'s flags, or a bench config section (``eval``, ``methods.<label>.eval``). None = not set there."""
     def bad(name: str, value: Any, need: str) -> VatError:
@@ -172,6 +174,17 @@ def check_eval_section(where: str, *, policy: str | None = None, tree_policy: st
         TreeSpec.parse(tree)
     if cost_model is not None:
         get_accelerator(cost_model)
+    if offload_policy is not None and offload_policy not in RESIDENCY_POLICIES:
+        raise bad("offload_policy", offload_policy, f"one of {', '.join(RESIDENCY_POLICIES)}")
+    if offload_link is not None and offload_link not in HOST_LINKS:
+        raise bad("offload_link", offload_link, f"one of {', '.join(HOST_LINKS)}")
+    if offload is not None and where != "--":
+        try:
+            OffloadSpec.parse(offload)
+        except VatError:
+            raise bad("offload", offload, "a comma list of resident experts per layer, e.g. 8,16") from None
+        if cost_model is None:
+            raise bad("offload", offload, f"it prices forwards on the cost model: set {where}.cost_model too")
     if budgets is not None and (not budgets or not all(
             b is None or b == SELF_SIZED or (isinstance(b, int) and b >= 1) for b in budgets)):
         raise bad("budgets", list(budgets), "budgets >= 1, null or auto (a self-sized set, policy acceptmoe)")
