@@ -126,7 +126,8 @@ def test_dflash_blockwise_equals_dense_outputs_and_gradients():
     ids = torch.randint(6, vocab, (2, 18), generator=g)
     attention = torch.ones(2, 18, dtype=torch.long)
     attention[1, 15:] = 0
-    anchors = torch.tensor([[1, 4, 5, 12], [3, 9, -1, -1]])  # overlapping blocks and padding blocks
+    attention[0, :2] = 0  # left padding: padded context keys before an anchor are never seen
+    anchors = torch.tensor([[2, 4, 5, 12], [3, 9, -1, -1]])  # overlapping blocks and padding blocks
     runs = {impl: draft(aux, ids, anchors, attention, attention=impl) for impl in ("dense", "blockwise")}
     real = anchors >= 0
     for name in ("logits", "hidden", "vh_logits"):
@@ -138,3 +139,46 @@ def test_dflash_blockwise_equals_dense_outputs_and_gradients():
     assert any(x.abs().sum() > 0 for x in dense)
     for a, b in zip(blockwise, dense):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_flex_forward_equals_dense_for_both_drafters():
+    """flex_attention's block masks written from the same rule: on CPU torch runs flex eagerly and forward only
+    (its backward is CUDA; the GPU check compares gradients there)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    model = random_eagle3(eagle3_config(ttt_steps=4, sliding_window=5, verification_head=True))
+    aux, ids = eagle3_batch(B=3, T=11)
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, 8:] = 0
+    mask[2, :3] = 0
+    with torch.no_grad():
+        dense = model.ttt_forward(aux, ids, mask, attention="dense")
+        flex = model.ttt_forward(aux, ids, mask, attention="flex")
+    torch.testing.assert_close(flex.logits, dense.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flex.vh_logits, dense.vh_logits, atol=1e-5, rtol=1e-5)
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=2, vocab_size=64, num_target_layers=4, block_size=4, mask_token_id=5,
+                       rope_theta=10000.0)
+    draft = DFlashDrafter(cfg, torch.randn(64, 32), torch.randn(64, 32) * 0.2)
+    g = torch.Generator().manual_seed(2)
+    aux = torch.randn(2, 18, len(cfg.target_layer_ids) * 32, generator=g)
+    ids = torch.randint(6, 64, (2, 18), generator=g)
+    attention = torch.ones(2, 18, dtype=torch.long)
+    attention[1, 15:] = 0
+    attention[0, :2] = 0  # left padding: padded context keys before an anchor are never seen
+    anchors = torch.tensor([[2, 4, 5, 12], [3, 9, -1, -1]])
+    with torch.no_grad():
+        dense = draft(aux, ids, anchors, attention, attention="dense")
+        flex = draft(aux, ids, anchors, attention, attention="flex")
+    real = anchors >= 0
+    torch.testing.assert_close(flex.logits[real], dense.logits[real], atol=1e-5, rtol=1e-5)
+
+
+def test_drafter_attention_is_a_recipe_key_checked_at_load():
+    from vat.config import load_config
+    from vat.errors import VatError
+
+    assert load_config("tiny/eagle3_vat.yaml", ["drafter.attention=dense"]).drafter.attention == "dense"
+    with pytest.raises(VatError, match="drafter.attention"):
+        load_config("tiny/eagle3_vat.yaml", ["drafter.attention=flash"])

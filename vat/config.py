@@ -28,6 +28,7 @@ from vat.paths import resolve_recipe
 # every place that takes a policy (training, vat eval, vat profile, bench, Window Pool); acceptmoe is eval only
 TRAINING_BUDGET_POLICIES = ("substitute", "truncate", "truncate_cover")
 DEFAULT_BUDGET_POLICY = "substitute"
+TRAINING_ATTENTION = ("auto", "dense", "blockwise", "flex")  # the drafters' training attention (drafter.attention)
 
 
 @dataclass
@@ -70,6 +71,9 @@ class DrafterConfig:
     verification_head: Optional[bool] = None  # null = from method (vat: on)
     vh_input: str = "normed"  # what the verification head reads: normed (what the LM head reads) | prenorm (residual)
     rope_theta: Optional[float] = None
+    # the training forward's attention (same numbers every way): auto = blockwise on CPU, dense elsewhere | dense (one
+    # SDPA call, a dense mask) | blockwise (shared keys + each query's own) | flex (flex_attention block masks, CUDA)
+    attention: str = "auto"
 
 
 @dataclass
@@ -358,6 +362,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss.acceptance": ("greedy", "expected", "sampled"),
     "loss.union_norm": ("grad_ratio", "none"),
     "drafter.vh_input": ("normed", "prenorm"),
+    "drafter.attention": TRAINING_ATTENTION,
     "budget.policy": TRAINING_BUDGET_POLICIES,
     "budget.scope": ("sequence", "batch"),
     "budget.align": ("response", "offset"),

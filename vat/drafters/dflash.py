@@ -35,7 +35,7 @@ from vat.drafters.common import RMSNorm, SwiGLUMLP, apply_rope, masked_attention
 from vat.drafters.dflash_config import DFlashConfig, check_dflash_matches_target, default_target_layer_ids
 from vat.drafters.eagle3 import VH_PRIOR
 from vat.drafters.eagle3_layer import FrozenEmbedding
-from vat.drafters.sparse_attention import attention_with_private_keys, resolve_attention_impl
+from vat.drafters.sparse_attention import attention_with_private_keys, flex_block_attention, resolve_attention_impl
 from vat.errors import VatError
 
 
@@ -100,30 +100,58 @@ class DFlashDecoderLayer(nn.Module):
         context_kv: tuple[torch.Tensor, torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        block_size: int | None = None,
+        mask: torch.Tensor | BlockAttention | None,
     ) -> torch.Tensor:
         """Block states (B, Q, H) attend to ``context_kv`` (B, nkv, S, hd) x2 and to the block itself.
 
         Args:
-            mask: (B, 1, Q, S + Q) bool over [context ; block] keys, True = may attend; None = all. With
-                ``block_size``: (B, 1, Q, S) over the context keys only, and the Q queries are Q / block_size blocks
-                that each see their own block's keys and no other block's (blockwise attention, no (Q, Q) mask).
+            mask: (B, 1, Q, S + Q) bool over [context ; block] keys, True = may attend; None = all; or a
+                :class:`BlockAttention` (the training forward's blocks, blockwise or flex).
         """
         B, Q, _ = x.shape
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)  # (B, nh, Q, hd)
         k_block, v_block = self.self_attn.keys_values(h, cos, sin)  # (B, nkv, Q, hd)
-        if block_size is not None:
-            nkv, hd = k_block.shape[1], k_block.shape[3]
-            blocks = (B, nkv, Q // block_size, block_size, hd)
-            attn = attention_with_private_keys(q, *context_kv, mask, k_block.view(blocks), v_block.view(blocks))
+        if isinstance(mask, BlockAttention):
+            attn = mask.attend(q, context_kv, k_block, v_block)
         else:
             k = torch.cat([context_kv[0], k_block], dim=2)  # (B, nkv, S + Q, hd)
             v = torch.cat([context_kv[1], v_block], dim=2)
             attn = masked_attention(q, k, v, mask)  # (B, nh, Q, hd)
         x = x + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, Q, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class BlockAttention:
+    """The training forward's attention rule without a (Q, S + Q) mask: the query at slot s of block n sees context
+    key j iff j < ``sees_until[b, n]`` and j is real, and every key of its own block, no other block's.
+
+    Attributes:
+        impl: ``blockwise`` (:func:`attention_with_private_keys`) or ``flex`` (:func:`flex_block_attention`).
+        sees_until: (B, N) int64 context keys visible to block n (0 for a padding block).
+        attention_mask: (B, T) bool, True = real token.
+        block_size: queries per block.
+    """
+
+    impl: str
+    sees_until: torch.Tensor
+    attention_mask: torch.Tensor
+    block_size: int
+
+    def attend(self, q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], k_block: torch.Tensor,
+               v_block: torch.Tensor) -> torch.Tensor:
+        """(B, nh, Q, hd) queries over [context ; own block] -> (B, nh, Q, hd)."""
+        T = self.attention_mask.shape[1]
+        if self.impl == "flex":
+            keys = torch.cat([context_kv[0], k_block], dim=2)  # (B, nkv, T + Q, hd)
+            values = torch.cat([context_kv[1], v_block], dim=2)
+            return flex_block_attention(q, keys, values, self.sees_until, self.attention_mask, self.block_size)
+        B, nkv, Q, hd = k_block.shape
+        sees = (torch.arange(T, device=q.device) < self.sees_until[:, :, None]) & self.attention_mask[:, None, :]
+        sees = sees.repeat_interleave(self.block_size, dim=1)[:, None]  # (B, 1, Q, T)
+        blocks = (B, nkv, Q // self.block_size, self.block_size, hd)
+        return attention_with_private_keys(q, *context_kv, sees, k_block.view(blocks), v_block.view(blocks))
 
 
 @dataclass
@@ -254,16 +282,15 @@ class DFlashDrafter(nn.Module):
         block_ids: torch.Tensor,
         position_ids: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor | None = None,
-        block_size: int | None = None,
+        mask: torch.Tensor | BlockAttention | None = None,
     ) -> torch.Tensor:
         """Block tokens (B, Q) at ``position_ids`` (B, Q) through every layer -> normed hidden states (B, Q, H).
 
-        ``mask`` and ``block_size`` as in :meth:`DFlashDecoderLayer.forward`."""
+        ``mask`` as in :meth:`DFlashDecoderLayer.forward`."""
         x = self._embed(block_ids)  # (B, Q, H)
         cos, sin = self._rope(position_ids)
         for layer, kv in zip(self.layers, context_kv):
-            x = layer(x, kv, cos, sin, mask, block_size)
+            x = layer(x, kv, cos, sin, mask)
         return self.norm(x)
 
     def readout(self, normed: torch.Tensor, vh_detach: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -306,7 +333,8 @@ class DFlashDrafter(nn.Module):
             vh_detach: the verification head reads detached hidden states (``loss.vh_detach``).
             attention: ``dense`` (SDPA over [context ; every block] with a (Q, T + Q) mask, the reference),
                 ``blockwise`` (each block scores only its own keys beside the context:
-                :mod:`vat.drafters.sparse_attention`) or ``auto`` (blockwise on CPU, dense elsewhere).
+                :mod:`vat.drafters.sparse_attention`), ``flex`` (flex_attention with a block mask of the same rule;
+                CUDA) or ``auto`` (blockwise on CPU, dense elsewhere).
 
         Returns:
             :class:`DFlashBlockOutput` with logits (B, N, K, V), hidden (B, N, K, H), vh_logits (B, N, K) or None.
@@ -326,13 +354,14 @@ class DFlashDrafter(nn.Module):
         block_pos = (start[:, :, None] + torch.arange(Bs, device=device)).reshape(B, N * Bs)  # (B, Q)
         # context j visible to block n iff j < anchor_n (strictly: at inference the anchor's own features do not
         # exist yet) and j is real; a padding block (anchor -1) sees no context
-        sees = (torch.arange(T, device=device) < torch.where(real, start, 0)[:, :, None]) & attention_mask.bool()[
-            :, None, :
-        ]  # (B, N, T)
-        sees = sees[:, :, None, :].expand(B, N, Bs, T).reshape(B, N * Bs, T)  # (B, Q, T)
-        if resolve_attention_impl(attention, device) == "blockwise":
-            normed = self.run_block(block_ids, block_pos, context_kv, sees[:, None], block_size=Bs)  # (B, Q, H)
+        sees_until = torch.where(real, start, 0)  # (B, N)
+        impl = resolve_attention_impl(attention, device)
+        if impl in ("blockwise", "flex"):
+            rule = BlockAttention(impl, sees_until, attention_mask.bool(), Bs)
+            normed = self.run_block(block_ids, block_pos, context_kv, rule)  # (B, Q, H)
         else:
+            sees = (torch.arange(T, device=device) < sees_until[:, :, None]) & attention_mask.bool()[:, None, :]
+            sees = sees[:, :, None, :].expand(B, N, Bs, T).reshape(B, N * Bs, T)  # (B, Q, T)
             block_of = torch.arange(N * Bs, device=device) // Bs  # (Q,)
             own = (block_of[:, None] == block_of[None, :]).expand(B, N * Bs, N * Bs)  # (B, Q, Q)
             mask = torch.cat([sees, own], dim=-1)[:, None]  # (B, 1, Q, T + Q)

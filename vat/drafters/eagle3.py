@@ -39,7 +39,7 @@ from torch import nn
 from vat.drafters.common import RMSNorm, masked_attention, rope_cos_sin
 from vat.drafters.eagle3_config import NUM_AUX_LAYERS, VH_INPUTS, Eagle3Config, check_draft_matches_target
 from vat.drafters.eagle3_layer import Eagle3Attention, Eagle3DecoderLayer, FrozenEmbedding
-from vat.drafters.sparse_attention import attention_with_private_keys, resolve_attention_impl
+from vat.drafters.sparse_attention import attention_with_private_keys, flex_ttt_attention, resolve_attention_impl
 from vat.errors import VatError, require_file
 from vat.target.conventions import default_aux_layer_ids
 
@@ -420,7 +420,8 @@ class Eagle3Drafter(nn.Module):
             ttt_steps: K; None = ``config.ttt_steps``.
             position_ids: (B, T) RoPE positions of step 0; None = ``arange(T)``.
             vh_detach: the verification head reads detached hidden states (``loss.vh_detach``).
-            attention: ``auto`` (blockwise on CPU, dense elsewhere), ``dense`` or ``blockwise``.
+            attention: ``auto`` (blockwise on CPU, dense elsewhere), ``dense``, ``blockwise`` or ``flex``
+                (flex_attention with a block mask of the same rule; CUDA).
 
         Returns:
             :class:`Eagle3TTTOutput` with logits (B, T, K, V_d), hidden (B, T, K, H), vh_logits (B, T, K) or None.
@@ -441,7 +442,7 @@ class Eagle3Drafter(nn.Module):
         block0 = causal & (attention_mask.bool()[:, None, :] | eye)  # (B, T, T) step-0 keys
         diag = eye.expand(B, T, T)
 
-        blockwise = resolve_attention_impl(attention, device) == "blockwise"
+        impl = resolve_attention_impl(attention, device)
         hidden = self.project_aux(aux_hidden)  # (B, T, H)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -454,7 +455,10 @@ class Eagle3Drafter(nn.Module):
             q, key, value = self.midlayer.self_attn.qkv(x, cos, sin)
             keys.append(key)
             values.append(value)
-            if blockwise and k > 0:  # the chain (t, 1..k): k keys private to anchor t
+            if impl == "flex":
+                attn = flex_ttt_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attention_mask,
+                                          self.config.sliding_window)
+            elif impl == "blockwise" and k > 0:  # the chain (t, 1..k): k keys private to anchor t
                 chain_k = torch.stack(keys[1:], dim=3)  # (B, nkv, T, k, hd)
                 chain_v = torch.stack(values[1:], dim=3)
                 attn = attention_with_private_keys(q, keys[0], values[0], block0.unsqueeze(1), chain_k, chain_v)

@@ -15,23 +15,101 @@ every block (N times the block keys). :func:`attention_with_private_keys` scores
 matmul and the private part group by group, then normalises both under one softmax: the same attention, exactly.
 
 It materialises the (Q, S) shared scores, as SDPA's math path does; on CUDA, where SDPA's fused kernels do not, the
-drafters keep the dense call (``attention="dense"``) unless asked otherwise.
+drafters keep the dense call unless asked otherwise. ``flex`` is the GPU path that skips the unneeded keys without
+materialising scores: torch's ``flex_attention`` over the concatenated keys with a block mask built from the same
+rule (:func:`flex_ttt_attention`, :func:`flex_block_attention`), compiled on CUDA. Its forward is checked against
+the dense call on CPU (torch's eager flex has no CPU backward); its gradients are checked on a GPU
+(``scripts/gpu_check.sh``).
 """
 
 from __future__ import annotations
 
 import torch
 
-ATTENTION_IMPLS = ("auto", "dense", "blockwise")  # `auto`: blockwise on CPU, dense (fused SDPA kernels) elsewhere
+from vat.config import TRAINING_ATTENTION
 
 
 def resolve_attention_impl(impl: str, device: torch.device) -> str:
-    """``auto`` -> ``blockwise`` on CPU, ``dense`` on other devices; other names are checked and returned."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention implementation {impl!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
+    """``auto`` -> ``blockwise`` on CPU, ``dense`` on other devices; other names (``TRAINING_ATTENTION``) returned."""
+    if impl not in TRAINING_ATTENTION:
+        raise ValueError(f"attention implementation {impl!r}: expected one of {', '.join(TRAINING_ATTENTION)}")
     if impl == "auto":
         return "blockwise" if device.type == "cpu" else "dense"
     return impl
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _flex(device: torch.device):
+    """torch's ``flex_attention`` and ``create_block_mask``: compiled on CUDA (the fast path), eager elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # optional: torch >= 2.5
+
+    if device.type != "cuda":
+        return flex_attention, create_block_mask, False
+    if "flex" not in _COMPILED:
+        _COMPILED["flex"] = torch.compile(flex_attention)
+    return _COMPILED["flex"], create_block_mask, True
+
+
+def flex_ttt_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention_mask: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """EAGLE-3's step-k attention with flex_attention: query t sees step-0 key s iff s <= t, (s real or s = t) and
+    (no window or t - s < window), and chain key (t, j) for 1 <= j <= k (the same rule as the dense mask).
+
+    Args:
+        q: (B, H, T, D) step-k queries.
+        keys: (B, H_kv, (k+1) T, D) the step-0 keys then each chain step's, concatenated; values likewise.
+        attention_mask: (B, T) bool, True = real token.
+        window: ``sliding_window`` over the step-0 keys, or None.
+
+    Returns:
+        (B, H, T, D).
+    """
+    flex_attention, create_block_mask, compiled = _flex(q.device)
+    B, _, T, _ = q.shape
+    real = attention_mask.bool()
+    limit = T if window is None else window
+
+    def mask_mod(b, h, qi, ki):
+        s = ki % T
+        step0 = (s <= qi) & (real[b, s] | (s == qi)) & (qi - s < limit)
+        return torch.where(ki < T, step0, s == qi)
+
+    mask = create_block_mask(mask_mod, B, None, T, keys.shape[2], device=q.device, _compile=compiled)
+    return flex_attention(q, keys, values, block_mask=mask, enable_gqa=q.shape[1] != keys.shape[1])
+
+
+def flex_block_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sees_until: torch.Tensor, attention_mask: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """DFlash's training attention with flex_attention: the query at slot s of block n sees context key j iff
+    j < ``sees_until[b, n]`` and j is real, and every key of its own block (the same rule as the dense mask).
+
+    Args:
+        q: (B, H, Q, D) block queries, Q = N * block_size.
+        keys: (B, H_kv, T + Q, D) [context ; blocks]; values likewise.
+        sees_until: (B, N) int64, the context keys block n sees are those before it (0 for a padding block).
+        attention_mask: (B, T) bool, True = real token.
+        block_size: queries per block.
+
+    Returns:
+        (B, H, Q, D).
+    """
+    flex_attention, create_block_mask, compiled = _flex(q.device)
+    B, _, Q, _ = q.shape
+    T = attention_mask.shape[1]
+    real = attention_mask.bool()
+
+    def mask_mod(b, h, qi, ki):
+        n = qi // block_size
+        context = (ki < sees_until[b, n]) & real[b, ki.clamp(max=T - 1)]
+        return torch.where(ki < T, context, (ki - T) // block_size == n)
+
+    mask = create_block_mask(mask_mod, B, None, Q, keys.shape[2], device=q.device, _compile=compiled)
+    return flex_attention(q, keys, values, block_mask=mask, enable_gqa=q.shape[1] != keys.shape[1])
 
 
 def attention_with_private_keys(

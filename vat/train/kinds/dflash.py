@@ -72,5 +72,5 @@ class DFlashKind(DrafterKind):
                                        cfg.drafter.num_anchors, gen)  # (B, N)
         with autocast():
             out = drafter(tout.aux_hidden, batch["input_ids"], anchors, batch["attention_mask"],
-                          vh_detach=cfg.loss.vh_detach)
+                          vh_detach=cfg.loss.vh_detach, attention=cfg.drafter.attention)
         return block_slots(out, dist, batch, tout.topk_ids, num_experts, anchors, bool(cfg.loss.onpolicy_chain))

@@ -63,5 +63,5 @@ class Eagle3Kind(DrafterKind):
         num_slots = self.num_slots(cfg, draft_config)
         with autocast():
             out = drafter(tout.aux_hidden, batch["input_ids"], batch["attention_mask"], ttt_steps=num_slots,
-                          vh_detach=cfg.loss.vh_detach)
+                          vh_detach=cfg.loss.vh_detach, attention=cfg.drafter.attention)
         return ttt_slots(out, dist, batch, tout.topk_ids, num_experts, num_slots, bool(cfg.loss.onpolicy_chain))
