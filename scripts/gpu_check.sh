@@ -6,7 +6,8 @@
 #
 # RESULTS_DIR defaults to $OUT, else ./gpu_check_results. Stages (each time-limited; a failing stage does not stop
 # the next, the exit status is non-zero if any failed):
-#   1. pytest -m gpu on the kernel test files alone (tests/test_kernel*.py: another test module that fails to import
+#   1. pytest -m gpu on the kernel test files and the training-attention file alone (tests/test_kernel*.py,
+#      tests/test_sparse_attention.py: flex_attention's gradients against dense SDPA; another module that fails to import
 #      cannot abort them), compiled kernels, -v -rA streamed to the log as results come          -> pytest.log, .xml
 #   2. budgeted forwards of all six families, experts_impl triton vs eager: fp32 strict, bf16 reported
 #                                                                                               -> parity.json, parity.md
@@ -117,7 +118,7 @@ run_stage() {  # name, seconds, command...: time-limited, logged, status recorde
 printf '| stage | result | time |\n|---|---|---|\n' > "$RESULTS/stages.md"
 
 # ---- 1. GPU tests, compiled ---------------------------------------------------------------------------------------
-mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" "$REPO"/tests/test_kernel*.py)
+mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" "$REPO"/tests/test_kernel*.py "$REPO"/tests/test_sparse_attention.py)
 if [ "$DRY" -eq 1 ]; then
   run_stage pytest "$T_TESTS" env TRITON_INTERPRET=0 "$PYTHON" -m pytest -p no:cacheprovider -o addopts="" \
     --collect-only -q -m gpu "${GPU_TESTS[@]}"

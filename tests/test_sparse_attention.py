@@ -182,3 +182,34 @@ def test_drafter_attention_is_a_recipe_key_checked_at_load():
     assert load_config("tiny/eagle3_vat.yaml", ["drafter.attention=dense"]).drafter.attention == "dense"
     with pytest.raises(VatError, match="drafter.attention"):
         load_config("tiny/eagle3_vat.yaml", ["drafter.attention=flash"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_equals_dense_in_outputs_and_gradients_on_cuda():
+    """The compiled flex path (what `drafter.attention: flex` runs on a GPU) against dense SDPA, fp32, both drafters,
+    at a size where the block masks skip whole blocks (T = 320: 128-wide blocks, chain keys off the diagonal)."""
+    dev = torch.device("cuda")
+    model = random_eagle3(eagle3_config(ttt_steps=4, verification_head=True)).to(dev).train()
+    aux, ids = (t.to(dev) for t in eagle3_batch(B=2, T=320))
+    mask = torch.ones(2, 320, dtype=torch.long, device=dev)
+    mask[1, 300:] = 0
+    weights = torch.randn(2, 320, 4, model.config.draft_vocab_size, device=dev)
+    runs = {impl: model.ttt_forward(aux, ids, mask, attention=impl) for impl in ("dense", "flex")}
+    torch.testing.assert_close(runs["flex"].logits, runs["dense"].logits, atol=2e-4, rtol=2e-4)
+    for a, b in zip(_grads(model, runs["flex"], weights), _grads(model, runs["dense"], weights)):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=2, vocab_size=128, num_target_layers=4, block_size=8, mask_token_id=5,
+                       rope_theta=10000.0)
+    draft = DFlashDrafter(cfg, torch.randn(128, 64), torch.randn(128, 64) * 0.2).to(dev).train()
+    aux = torch.randn(2, 320, len(cfg.target_layer_ids) * 64, device=dev)
+    ids = torch.randint(6, 128, (2, 320), device=dev)
+    anchors = torch.sort(torch.randperm(300, device=dev)[:40] + 1).values.expand(2, 40).contiguous()
+    runs = {impl: draft(aux, ids, anchors, mask, attention=impl) for impl in ("dense", "flex")}
+    torch.testing.assert_close(runs["flex"].logits, runs["dense"].logits, atol=2e-4, rtol=2e-4)
+    weights = torch.randn(runs["dense"].logits.shape, device=dev)
+    for a, b in zip(_grads(draft, runs["flex"], weights), _grads(draft, runs["dense"], weights)):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
