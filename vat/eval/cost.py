@@ -93,10 +93,10 @@ ACCELERATORS: dict[str, Accelerator] = {
 ALIASES = {"h100-sxm": "h100", "h200-sxm": "h200", "a100-80gb": "a100", "a100-sxm": "a100"}
 
 # The two knobs of ``name@key=value,...`` and the value a key given without ``=value`` takes (docs/eval.md "Cost
-# model" gives the sources): η = 0.8, inside the 0.6-0.85 that grouped MoE GEMMs reach on few tokens per expert and the
-# ~78-84 % that coalesced weight loads reach on an H100; 10 µs per forward, a CUDA-graph replay of one decode step
-# (one graph launch, ~5 µs, plus the gaps between its kernels). Until `benchmarks/moe_kernel.py` has measured η on the
-# GPU (its "% peak" column), these are assumptions, not measurements.
+# model" gives the public figures behind them): η = 0.8, the ~78 % of peak a profile of MLP weight loads on an H100
+# reports; 10 µs per forward, a CUDA-graph replay of one decode step (one launch, ~5 µs of host time, plus the gaps
+# between its kernels). Until `benchmarks/moe_kernel.py` has measured η on the GPU (its "% peak" column), these are
+# assumptions, not measurements.
 COST_KNOBS = {"eta": 0.8, "latency_us": 10.0}
 
 
