@@ -12,13 +12,14 @@ import sys
 import pytest
 import torch
 from helpers import read_metrics, train_config, train_overrides
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_target
 
 from vat.cli import main as vat_main
 from vat.data_prep.capture import capture
-from vat.data_prep.capture_store import MANIFEST, read_manifest, write_manifest
+from vat.data_prep.capture_store import MANIFEST, CaptureReader, read_manifest, write_manifest
 from vat.errors import VatError
+from vat.target import load_target
 from vat.train.trainer import Trainer
 from vat.train.trainer import main as train_main
 
@@ -83,6 +84,15 @@ def _gradients(cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         trainer.close()
 
 
+def _close(online: dict, captured: dict, key: str) -> None:
+    """One logged metric of a run from a capture equal to the online run's within 1e-5 (null in both: a ratio with
+    nothing to count, e.g. an AUC over one class)."""
+    if online[key] is None:
+        assert captured[key] is None, (online["step"], key)
+    else:
+        assert captured[key] == pytest.approx(online[key], abs=1e-5, rel=1e-5), (online["step"], key)
+
+
 def test_training_from_a_capture_equals_online_training(train_workspace, captured, tmp_path):
     online, offline = str(tmp_path / "online"), str(tmp_path / "capture")
     train_main(train_config(train_workspace, online, *VAT))
@@ -94,10 +104,7 @@ def test_training_from_a_capture_equals_online_training(train_workspace, capture
         assert ra["tokens"] == rb["tokens"]  # the same batches
         for key in ("loss", "tau_sim", "acc_0", "acc_2", "vh_bce", "vh_auc", "union_sim", "union_scale",
                     "grad_norm", "vh_grad_norm"):
-            if ra[key] is None:  # an undefined ratio (e.g. an AUC with one class) on both sides
-                assert rb[key] is None, (ra["step"], key)
-            else:
-                assert rb[key] == pytest.approx(ra[key], abs=1e-5, rel=1e-5), (ra["step"], key)
+            _close(ra, rb, key)
     wa = load_file(os.path.join(online, "final", "model.safetensors"))
     wb = load_file(os.path.join(offline, "final", "model.safetensors"))
     assert wa.keys() == wb.keys()
@@ -172,3 +179,41 @@ def test_two_processes_from_a_capture_equal_one_process_on_the_same_global_batch
     for ra, rb in zip(a, b):
         for key in ("tokens", "loss", "tau_sim", "acc_0", "vh_bce", "union_sim", "grad_norm", "union_scale"):
             assert ra[key] == pytest.approx(rb[key], rel=2e-5, abs=1e-6), (ra["step"], key)
+
+
+def _speculators_layout(captured: str, target_dir: str, out: str) -> None:
+    """speculators' data-generation layout, written from a vat capture: ``hidden_states/hs_{row}.safetensors`` per
+    row with ``token_ids`` and ``hidden_states`` (T, 3 + 1, H), the last one after the final norm (what vLLM hands
+    speculators, whose trainer feeds it to the LM head as is)."""
+    norm = load_target(target_dir, dtype="float32", device="cpu").final_norm()
+    reader = CaptureReader(captured)
+    os.makedirs(os.path.join(out, "hidden_states"))
+    for row in reader.manifest["rows"]:
+        sample = reader.sample(row)
+        length, hidden = sample["last"].shape
+        with torch.no_grad():
+            stacked = torch.cat([sample["aux"].view(length, 3, hidden), norm(sample["last"])[:, None]], dim=1)
+        save_file({"token_ids": sample["input_ids"].long(), "hidden_states": stacked.contiguous()},
+                  os.path.join(out, "hidden_states", f"hs_{row}.safetensors"))
+
+
+def test_speculators_hidden_states_train_as_online_without_the_union_term(train_workspace, captured, tmp_path):
+    specs = str(tmp_path / "speculators")
+    _speculators_layout(captured, train_workspace["target"], specs)
+    recipe = ("method=vat", "loss.union_weight=0", "drafter.ttt_steps=3", "train.max_steps=4", "train.save_every=0")
+    online, offline = str(tmp_path / "online"), str(tmp_path / "specs")
+    train_main(train_config(train_workspace, online, *recipe))
+    train_main(train_config(train_workspace, offline, *recipe, f"data.capture={specs}", "target.aux_layer_ids=[1,0,0]"))
+    a, b = read_metrics(online), read_metrics(offline)
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and "union_sim" in a[0] and "union_sim" not in b[0]
+    for ra, rb in zip(a, b):
+        for key in ("tokens", "loss", "tau_sim", "acc_0", "acc_2", "vh_bce", "vh_auc", "grad_norm", "vh_grad_norm"):
+            _close(ra, rb, key)
+    wa = load_file(os.path.join(online, "final", "model.safetensors"))
+    wb = load_file(os.path.join(offline, "final", "model.safetensors"))
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], atol=1e-5, rtol=1e-5, msg=key)
+    _refused(train_workspace, tmp_path, "holds no routing", f"data.capture={specs}", "target.aux_layer_ids=[1,0,0]",
+             "loss.union_weight=0.1")
+    _refused(train_workspace, tmp_path, "holds 3 aux layers but does not say which", f"data.capture={specs}")
+    _refused(train_workspace, tmp_path, "holds 3 aux layers", f"data.capture={specs}", "target.aux_layer_ids=[1,0]")

@@ -29,7 +29,8 @@ class DraftSlots:
         imitation: the imitation losses' targets (soft: ``target.probs``; hard: ``argmax_draft``), fields like
             ``target``; the same object unless the drafter trains its hard CE on the data token.
         valid: (B, A, K) bool: the slot exists and its predicted token is real and loss-masked.
-        anchor_routing: (B, A, L', E) 0/1 routing of the root token of each anchor's verification block.
+        anchor_routing: (B, A, L', E) 0/1 routing of the root token of each anchor's verification block; None when
+            the target's routing is unknown (a capture without routing: no union term).
         censored: (B, A, K) bool, slots whose simulated verification is not the real one (``loss.onpolicy_chain``), or
             None.
     """
@@ -39,12 +40,13 @@ class DraftSlots:
     target: TargetDist
     imitation: TargetDist
     valid: Tensor
-    anchor_routing: Tensor
+    anchor_routing: Tensor | None
     censored: Tensor | None
 
 
 def ttt_slots(
-    out, dist: TargetDist, batch: dict[str, Tensor], topk_ids: Tensor, num_experts: int, ttt_steps: int, onpolicy: bool
+    out, dist: TargetDist, batch: dict[str, Tensor], topk_ids: Tensor | None, num_experts: int, ttt_steps: int,
+    onpolicy: bool,
 ) -> DraftSlots:
     """EAGLE-3: every position is an anchor, step k compares with the target at ``t + 1 + k``.
 
@@ -52,7 +54,7 @@ def ttt_slots(
         out: :class:`vat.drafters.eagle3.Eagle3TTTOutput` (B, T, K, ·).
         dist: :class:`TargetDist` of the target forward, fields (B, T, ·).
         batch: ``input_ids``, ``attention_mask``, ``loss_mask`` (B, T).
-        topk_ids: (L', B, T, k) executed expert ids of the target forward.
+        topk_ids: (L', B, T, k) executed expert ids of the target forward, or None (routing unknown).
         num_experts: E.
         ttt_steps: K.
         onpolicy: end each chain where the data leaves the target's argmax (``loss.onpolicy_chain``).
@@ -66,13 +68,14 @@ def ttt_slots(
         imitation=gathered,
         valid=valid,
         # the verification block of anchor t starts with the root token t+1, whose routing is known exactly
-        anchor_routing=ttt_anchor_routing(topk_ids, num_experts),  # (B, T, L', E)
+        anchor_routing=ttt_anchor_routing(topk_ids, num_experts) if topk_ids is not None else None,  # (B, T, L', E)
         censored=onpolicy_censor(input_ids, dist.argmax, ttt_steps) if onpolicy else None,
     )
 
 
 def block_slots(
-    out, dist: TargetDist, batch: dict[str, Tensor], topk_ids: Tensor, num_experts: int, anchors: Tensor, onpolicy: bool
+    out, dist: TargetDist, batch: dict[str, Tensor], topk_ids: Tensor | None, num_experts: int, anchors: Tensor,
+    onpolicy: bool,
 ) -> DraftSlots:
     """DFlash: the sampled anchors, slot k compares with the target at ``anchor + k`` and predicts ``anchor + 1 + k``.
 
@@ -83,7 +86,7 @@ def block_slots(
         out: :class:`vat.drafters.dflash.DFlashBlockOutput` (B, N, K, ·).
         dist: :class:`TargetDist` of the target forward over the full vocabulary, fields (B, T, ·).
         batch: ``input_ids``, ``attention_mask``, ``loss_mask`` (B, T).
-        topk_ids: (L', B, T, k) executed expert ids.
+        topk_ids: (L', B, T, k) executed expert ids, or None (routing unknown).
         num_experts: E.
         anchors: (B, N) anchor positions, ``-1`` = padding.
         onpolicy: censor slots after the data leaves the target's argmax (``loss.onpolicy_chain``).
@@ -94,7 +97,9 @@ def block_slots(
     labels, _ = gather_block_targets(input_ids, anchors.clamp(min=-1) + 1, K)  # (B, N, K): token anchor + 1 + k
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None]
     # the verification block is [anchor, d_1 ..]: its root is the anchor token, read at the anchor's position
-    routing = routing_onehot(topk_ids, num_experts)[rows, anchors.clamp(min=0)]  # (B, N, L', E)
+    routing = None
+    if topk_ids is not None:
+        routing = routing_onehot(topk_ids, num_experts)[rows, anchors.clamp(min=0)]  # (B, N, L', E)
     return DraftSlots(
         logits=out.logits,
         vh_logits=out.vh_logits,

@@ -10,6 +10,11 @@ logits through the target's final norm and LM head) and the executed top-k exper
 
 The manifest is rewritten (atomically) after each shard, so a rerun continues after the last complete shard.
 docs/data.md ("Captured target features") describes every field.
+
+:class:`CaptureReader` also reads speculators' data-generation output as a capture without routing: a directory
+whose ``hidden_states/`` (or itself) holds ``hs_{i}.safetensors`` per dataset row i, each with ``token_ids`` (T,) and
+``hidden_states`` (T, n_aux + 1, H): the aux layers in the order vLLM captured them, then the last hidden state after
+the final norm (speculators feeds it to the LM head as is).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ FORMAT = "vat-capture/1"
 OPEN_SHARDS = 8  # shard files kept open by a reader (each is memory-mapped; a batch touches a few)
 # the target facts a capture records and a training run must match (target.path's own, read from its config)
 IDENTITY_KEYS = ("model_type", "hidden_size", "vocab_size", "num_layers")
+SPECULATORS_SUBDIR = "hidden_states"  # where speculators' data generation writes hs_{i}.safetensors
 
 
 def shard_name(index: int) -> str:
@@ -64,6 +70,37 @@ def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def speculators_manifest(directory: str) -> dict[str, Any] | None:
+    """A manifest for speculators' ``hs_{i}.safetensors`` files under ``directory`` (None when there are none):
+    routing absent, the last hidden state already normed, the target known only by its hidden size."""
+    folder = os.path.join(directory, SPECULATORS_SUBDIR)
+    folder = folder if os.path.isdir(folder) else directory
+    files = {int(name[3:-12]): os.path.relpath(os.path.join(folder, name), directory) for name in os.listdir(folder)
+             if name.startswith("hs_") and name.endswith(".safetensors") and name[3:-12].isdigit()}
+    if not files:
+        return None
+    first = os.path.join(directory, files[min(files)])
+    try:
+        with safe_open(first, framework="pt", device="cpu") as f:
+            layers = f.get_slice("hidden_states")
+            (_, stacked, hidden), dtype = layers.get_shape(), layers.get_dtype()
+    except Exception as err:
+        raise VatError(f"cannot read {first} as speculators hidden states: {str(err).splitlines()[0]}") from None
+    rows = sorted(files)
+    return {"format": FORMAT, "complete": True, "source": "speculators", "routing": False, "dtype": dtype,
+            "target": {"hidden_size": int(hidden), "aux_layer_ids": None, "num_aux": int(stacked) - 1, "last": "normed"},
+            "rows": rows, "files": {str(r): files[r] for r in rows}, "shards": []}
+
+
+def load_manifest(directory: str) -> dict[str, Any]:
+    """A capture's manifest: vat's ``manifest.json``, else one for speculators' files (:func:`speculators_manifest`)."""
+    if os.path.isdir(directory) and not os.path.exists(os.path.join(directory, MANIFEST)):
+        manifest = speculators_manifest(directory)
+        if manifest is not None:
+            return manifest
+    return read_manifest(directory)
+
+
 def read_manifest(directory: str) -> dict[str, Any]:
     """The manifest of a capture directory; a missing directory or manifest, or another format, in one line."""
     path = os.path.join(directory, MANIFEST)
@@ -93,43 +130,46 @@ class CaptureReader:
 
     def __init__(self, directory: str):
         self.directory = directory
-        self.manifest = read_manifest(directory)
+        self.manifest = load_manifest(directory)
         if not self.manifest.get("complete"):
             done = self.manifest["shards"][-1]["end"] if self.manifest["shards"] else 0
             raise VatError(f"capture {directory} is unfinished ({done} of {len(self.manifest['rows'])} rows): rerun "
                            "the same `vat prep capture` command to complete it")
-        self.shard_of: dict[int, int] = {}  # dataset row -> shard index
-        for index, shard in enumerate(self.manifest["shards"]):
-            path = os.path.join(directory, shard["file"])
-            if not os.path.exists(path):
+        self.speculators = self.manifest.get("source") == "speculators"
+        self.file_of: dict[int, str] = {int(r): f for r, f in self.manifest.get("files", {}).items()}  # row -> file
+        for shard in self.manifest["shards"]:
+            if not os.path.exists(os.path.join(directory, shard["file"])):
                 raise VatError(f"capture {directory}: shard {shard['file']} (rows {shard['start']}-{shard['end'] - 1} "
                                "of the capture) is missing; rerun `vat prep capture` into the directory to redo it")
             for row in self.manifest["rows"][shard["start"]:shard["end"]]:
-                self.shard_of[row] = index
+                self.file_of[row] = shard["file"]
         self.has_routing = bool(self.manifest.get("routing", True))
         self.target = self.manifest["target"]
-        self._open: dict[int, Any] = {}
+        self._open: dict[str, Any] = {}
 
     def missing(self, rows: list[int]) -> list[int]:
         """The dataset rows of ``rows`` the capture does not hold."""
-        return [r for r in rows if r not in self.shard_of]
+        return [r for r in rows if r not in self.file_of]
 
-    def _shard(self, index: int):
-        if index not in self._open:
+    def _file(self, name: str):
+        if name not in self._open:
             if len(self._open) >= OPEN_SHARDS:
                 self._open.pop(next(iter(self._open)))
-            path = os.path.join(self.directory, self.manifest["shards"][index]["file"])
+            path = os.path.join(self.directory, name)
             try:
-                self._open[index] = safe_open(path, framework="pt", device="cpu")
+                self._open[name] = safe_open(path, framework="pt", device="cpu")
             except Exception as err:  # a shard deleted or truncated after the check
-                raise VatError(f"cannot read capture shard {path}: {str(err).splitlines()[0]}") from None
-        return self._open[index]
+                raise VatError(f"cannot read capture file {path}: {str(err).splitlines()[0]}") from None
+        return self._open[name]
 
     def sample(self, row: int) -> dict[str, torch.Tensor]:
         """One row's tensors: ``aux`` (T, n_aux*H), ``last`` (T, H), ``input_ids`` (T,), ``routing`` (T, L', k)."""
-        shard = self._shard(self.shard_of[row])
+        handle = self._file(self.file_of[row])
+        if self.speculators:
+            stacked = handle.get_tensor("hidden_states")  # (T, n_aux + 1, H)
+            return {"aux": stacked[:, :-1].flatten(1), "last": stacked[:, -1], "input_ids": handle.get_tensor("token_ids")}
         names = ("aux", "last", "input_ids") + (("routing",) if self.has_routing else ())
-        return {name: shard.get_tensor(f"{name}.{row}") for name in names}
+        return {name: handle.get_tensor(f"{name}.{row}") for name in names}
 
     def batch(self, rows: list[int], input_ids: torch.Tensor, pad_expert: int) -> dict[str, torch.Tensor | None]:
         """The features of dataset rows ``rows`` right-padded to ``input_ids``' length, checked against its tokens.

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from vat.errors import VatError
 from vat.target.conventions import default_aux_layer_ids
+from vat.target.families import adapter_for
 from vat.target.model import TargetOutput, _resolve_dtype, resolve_target_path
 
 
@@ -30,7 +31,8 @@ class CapturedTarget:
         config: the target's transformers config.
         path: where the target was read from.
         modules: ``embed`` (nn.Embedding), ``norm`` (the final norm, the target's own class), ``head`` (nn.Linear).
-        captured: the capture manifest's ``target`` (identity, routing shape, captured aux layer ids).
+        captured: the capture manifest's ``target`` (identity, routing shape, captured aux layer ids; ``last:
+            normed`` when the stored last hidden state is already the final norm's output, as speculators' is).
         aux_layer_ids: the layers the run's draft reads (default EAGLE-3's); a subset of the captured ones.
     """
 
@@ -96,7 +98,8 @@ class CapturedTarget:
         columns = self.aux_columns()
         if columns is not None:
             aux = aux[..., columns.to(aux.device)]  # (B, T, n_aux * H)
-        final = self.norm(last.to(self.dtype))  # (B, T, H)
+        last = last.to(self.dtype)
+        final = last if self.captured.get("last") == "normed" else self.norm(last)  # (B, T, H)
         logits = self.head(final)  # (B, T, V)
         return TargetOutput(logits=logits, aux_hidden=aux.to(self.dtype), final_hidden=final, topk_ids=routing,
                             last_hidden=last)
@@ -110,10 +113,31 @@ def check_capture_identity(config: Any, vocab_size: int, captured: dict[str, Any
     mine = {"model_type": str(config.model_type), "hidden_size": int(config.hidden_size), "vocab_size": vocab_size,
             "num_layers": int(config.num_hidden_layers)}
     for key, value in mine.items():
-        if captured.get(key) != value:
+        if captured.get(key) is not None and captured.get(key) != value:  # speculators' files record the hidden size only
             raise VatError(f"the capture was taken from a target with {key.replace('_', ' ')} {captured.get(key)} "
                            f"({captured.get('path')}) but target.path {path} has {value}: capture from this target, "
                            "or set target.path to the capture's")
+
+
+def complete_capture_facts(captured: dict[str, Any], skeleton: nn.Module, aux_layer_ids: list[int] | None) -> dict:
+    """A capture's ``target`` record with what speculators' files do not say filled in: the MoE shape from the
+    target's own modules, the aux layers from the run (which must name as many as the files hold)."""
+    facts = dict(captured)
+    if facts.get("num_experts") is None:
+        adapter = adapter_for(skeleton.config)
+        blocks = list(adapter.moe_blocks(skeleton))
+        if not blocks:
+            raise VatError(f"{type(skeleton).__name__} has no MoE layers that vat recognises")
+        router = adapter.router(blocks[0][1])
+        facts.update(num_experts=int(router.num_experts), top_k=int(router.top_k),
+                     moe_layer_ids=[layer for layer, _ in blocks])
+    if facts.get("aux_layer_ids") is None:
+        if aux_layer_ids is None or len(aux_layer_ids) != facts["num_aux"]:
+            raise VatError(f"the capture holds {facts['num_aux']} aux layers but does not say which: set "
+                           "target.aux_layer_ids to them in vat's convention (vLLM / speculators layer id - 1), "
+                           f"{facts['num_aux']} ids")
+        facts["aux_layer_ids"] = list(aux_layer_ids)
+    return facts
 
 
 def _checkpoint_tensors(path: str, names: list[str]) -> dict[str, torch.Tensor]:
@@ -182,4 +206,5 @@ def load_captured_target(path: str, captured: dict[str, Any], *, dtype: str = "a
         module.to_empty(device=device).load_state_dict(state)
         module.requires_grad_(False)
     check_capture_identity(config, int(modules["head"].weight.shape[0]), captured, resolved)
+    captured = complete_capture_facts(captured, skeleton, aux_layer_ids)
     return CapturedTarget(config, resolved, modules, captured, aux_layer_ids)

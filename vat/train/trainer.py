@@ -144,6 +144,10 @@ class Trainer(TrainLoop):
             raise VatError(f"budget.B is set but data.capture {cfg.data.capture} holds the target's natural forward: a "
                            "budgeted target's features exist only online; unset data.capture (or budget.B)")
         self.capture = CaptureReader(cfg.data.capture)
+        if not self.capture.has_routing and cfg.loss.union_weight:
+            raise VatError(f"loss.union_weight is {cfg.loss.union_weight} but data.capture {cfg.data.capture} holds no "
+                           "routing (speculators' hidden states): the union term reads the target's experts; set "
+                           "loss.union_weight=0, or capture with `vat prep capture`")
         return load_captured_target(cfg.target.path, self.capture.target, dtype=cfg.target.dtype, device=self.device,
                                     aux_layer_ids=self._aux_layer_ids())
 
@@ -392,7 +396,7 @@ class Trainer(TrainLoop):
         vh_logits = slots.vh_logits  # (B, A, K) or None
         # the union term's work (expected expert use over the draft vocab, soft union, its sampled anchors) runs when
         # it is penalised, else only on the steps that log its metric (union_sim): at λ = 0 it changes no gradient
-        union = bool(self.switches.union_weight) or self._logs_at(self.step + 1)
+        union = (bool(self.switches.union_weight) or self._logs_at(self.step + 1)) and topk is not None
         loss, metrics = vat_objective(
             slots.logits, slots.imitation, valid, self.switches, vh_logits=vh_logits,
             affinity=self.affinity.table() if union else None,
@@ -404,15 +408,19 @@ class Trainer(TrainLoop):
         if vh_logits is not None:  # kept for an exact AUC over the logging window (masked there: no sync per batch)
             self.vh_pairs.append((vh_logits.detach().float(), verification.survival.detach().float(),
                                   verification.valid.detach()))
-        rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
-        # the table learns natural routing (docs/vat_losses.md): under a budget, each router's own top-k of this same forward
-        # (captured before the budget rerouted it), not the budgeted ids the union term's anchor routing uses
-        folded = topk if tout.natural_topk_ids is None else tout.natural_topk_ids  # (L', B, T, k)
-        dropped_as_negative = folded.masked_fill(folded >= self.target.num_experts, -1)
-        self.pending_routing.append(self.affinity.select(rows, dropped_as_negative, attention.bool()))
+        if topk is not None:  # routing known (always, but from a capture without it)
+            self._queue_routing(input_ids, attention, topk if tout.natural_topk_ids is None else tout.natural_topk_ids)
         metrics.update(metrics_extra)
         metrics["tokens"] = attention.sum().float()
         return loss, metrics
+
+    def _queue_routing(self, input_ids: torch.Tensor, attention: torch.Tensor, natural: torch.Tensor) -> None:
+        """The micro-batch's natural routing ``(L', B, T, k)``, queued for this step's fold into the affinity table. The
+        table learns natural routing (docs/vat_losses.md): under a budget, each router's own top-k of this same forward
+        (captured before the budget rerouted it), not the budgeted ids the union term's anchor routing uses."""
+        rows = self.target_to_draft[input_ids]  # (B, T) draft id of each input token, -1 outside
+        dropped_as_negative = natural.masked_fill(natural >= self.target.num_experts, -1)
+        self.pending_routing.append(self.affinity.select(rows, dropped_as_negative, attention.bool()))
 
     def _logs_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based: the loop counts a step once its micro-batches ran) writes a
