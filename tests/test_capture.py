@@ -217,3 +217,25 @@ def test_speculators_hidden_states_train_as_online_without_the_union_term(train_
              "loss.union_weight=0.1")
     _refused(train_workspace, tmp_path, "holds 3 aux layers but does not say which", f"data.capture={specs}")
     _refused(train_workspace, tmp_path, "holds 3 aux layers", f"data.capture={specs}", "target.aux_layer_ids=[1,0]")
+
+
+def test_dflash_vat_from_a_capture_equals_online(train_workspace, tmp_path):
+    """The DFlash block drafter reads its own context layers (1 to L-3: [1, 0] of 2 layers): captured, they train
+    as online, with the VAT objective and the union term over its sampled anchors."""
+    out = str(tmp_path / "capture")
+    capture(train_workspace["target"], train_workspace["data"], out, aux_layer_ids=[1, 0], progress=False)
+    recipe = ("method=dflash_vat", "drafter.block_size=4", "drafter.num_layers=2", "drafter.num_anchors=16",
+              "drafter.mask_token_id=3", "loss.union_weight=0.1", "loss.union_scale_warmup=1", "train.max_steps=3",
+              "train.save_every=0")
+    online, offline = str(tmp_path / "online"), str(tmp_path / "offline")
+    train_main(train_config(train_workspace, online, *recipe))
+    train_main(train_config(train_workspace, offline, *recipe, f"data.capture={out}"))
+    a, b = read_metrics(online), read_metrics(offline)
+    assert [r["step"] for r in b] == [1, 2, 3] and a[-1]["union_scale"] > 0
+    for ra, rb in zip(a, b):
+        for key in ("tokens", "loss", "tau_sim", "acc_0", "vh_bce", "union_sim", "union_scale", "grad_norm"):
+            _close(ra, rb, key)
+    wa = load_file(os.path.join(online, "final", "model.safetensors"))
+    wb = load_file(os.path.join(offline, "final", "model.safetensors"))
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], atol=1e-5, rtol=1e-5, msg=key)
