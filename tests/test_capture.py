@@ -239,3 +239,14 @@ def test_dflash_vat_from_a_capture_equals_online(train_workspace, tmp_path):
     wb = load_file(os.path.join(offline, "final", "model.safetensors"))
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+def test_a_draft_reading_some_of_the_captured_layers_reads_their_columns(train_workspace, captured, tmp_path):
+    """The capture holds layers [1, 0, 0]; a draft reading [0, 1, 1] takes their columns and trains as online."""
+    recipe = ("target.aux_layer_ids=[0,1,1]", "train.max_steps=2", "train.save_every=0")
+    online, offline = str(tmp_path / "online"), str(tmp_path / "offline")
+    train_main(train_config(train_workspace, online, *recipe))
+    train_main(train_config(train_workspace, offline, *recipe, f"data.capture={captured}"))
+    for ra, rb in zip(read_metrics(online), read_metrics(offline)):
+        for key in ("tokens", "loss", "tau_sim", "acc_0", "grad_norm"):
+            _close(ra, rb, key)
