@@ -93,7 +93,8 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts-impl", default="grouped_mm", choices=["eager", "grouped_mm", "batched_mm", "triton"])
     p.add_argument("--tokens-per-batch", type=int, default=8192, help="padded tokens per target forward")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows per target forward")
-    p.add_argument("--shard-tokens", type=int, default=1 << 20, help="tokens per shard file (the unit of resume)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 17,
+                   help="tokens per shard file: held in host memory until written, the unit of resume")
     p.add_argument("--limit", type=int, default=None, help="capture only the first N rows")
     p.add_argument("--max-length", type=int, default=None, help="skip rows longer than this many tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

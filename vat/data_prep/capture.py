@@ -30,6 +30,9 @@ from vat.data_prep.vocab import load_prepared_dataset
 from vat.errors import VatError
 from vat.target import FrozenTarget, load_target
 
+# tokens per shard: a shard is held in host memory until it is written, (n_aux + 1) * H * bytes per token (2 GiB for
+# a Qwen3-30B-A3B shape in bf16) -- and it is the unit a rerun resumes at
+SHARD_TOKENS = 1 << 17
 LOGIT_TOLERANCE = 1e-3  # relative: the recomputed logits must be the target's own (they are, bit for bit, usually)
 
 
@@ -119,7 +122,7 @@ def _capture_shard(target: FrozenTarget, ds, rows: list[int], lengths: list[int]
 
 def capture(target: str, data: str, output: str, *, aux_layer_ids: list[int] | None = None, dtype: str = "auto",
             device: str | None = None, device_map: str | None = None, experts_impl: str = "grouped_mm",
-            tokens_per_batch: int = 8192, max_batch_size: int = 16, shard_tokens: int = 1 << 20,
+            tokens_per_batch: int = 8192, max_batch_size: int = 16, shard_tokens: int = SHARD_TOKENS,
             limit: int | None = None, max_length: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Capture ``target``'s features over the prepared dataset ``data`` into ``output`` (resumable).
 
@@ -130,7 +133,7 @@ def capture(target: str, data: str, output: str, *, aux_layer_ids: list[int] | N
         aux_layer_ids: layer outputs to capture (vat's convention; default EAGLE-3's); the draft must read these.
         dtype, device, device_map, experts_impl: passed to :func:`vat.target.load_target`.
         tokens_per_batch, max_batch_size: forward batches (padded tokens, rows).
-        shard_tokens: tokens per shard file (the unit a rerun resumes at).
+        shard_tokens: tokens per shard file (held in host memory until written; the unit a rerun resumes at).
         limit, max_length: capture the first ``limit`` rows, skipping rows over ``max_length`` tokens.
         progress: show a progress bar (tokens, tokens/s).
 

@@ -62,12 +62,15 @@ class CapturedTarget:
         return self.embed.weight.dtype
 
     def embed_tokens(self) -> nn.Module:
+        """The target's input embedding (the drafts read it)."""
         return self.embed
 
     def lm_head(self) -> nn.Module:
+        """The target's LM head."""
         return self.head
 
     def final_norm(self) -> nn.Module:
+        """The target's final norm (before the LM head)."""
         return self.norm
 
     def aux_columns(self) -> torch.Tensor | None:
