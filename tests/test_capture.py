@@ -250,3 +250,27 @@ def test_a_draft_reading_some_of_the_captured_layers_reads_their_columns(train_w
     for ra, rb in zip(read_metrics(online), read_metrics(offline)):
         for key in ("tokens", "loss", "tau_sim", "acc_0", "grad_norm"):
             _close(ra, rb, key)
+
+
+def test_a_capture_written_in_two_parts_equals_one_run(train_workspace, captured, tmp_path):
+    """`--part I/N`: each process writes shards I, I+N, ...; the manifest, rebuilt from the shard files present, is
+    complete once both parts ran, and every shard holds the bytes of a one-process capture."""
+    out = str(tmp_path / "parts")
+    whole = read_manifest(captured)
+    first = capture(train_workspace["target"], train_workspace["data"], out, shard_tokens=SHARD_TOKENS, part=(1, 2),
+                    progress=False)
+    assert not first["complete"]
+    assert [s["file"] for s in first["shards"]] == [s["file"] for s in whole["shards"][1::2]]
+    with pytest.raises(VatError, match="unfinished"):
+        CaptureReader(out)
+    assert vat_main(["prep", "capture", "--target", train_workspace["target"], "--data", train_workspace["data"],
+                     "--output", out, "--shard-tokens", str(SHARD_TOKENS), "--part", "0/2", "--no-progress"]) == 0
+    done = read_manifest(out)
+    assert done["complete"] and done["tokens"] == whole["tokens"]
+    assert [(s["file"], s["start"], s["end"]) for s in done["shards"]] == [
+        (s["file"], s["start"], s["end"]) for s in whole["shards"]]
+    for shard in whole["shards"]:
+        a, b = load_file(os.path.join(captured, shard["file"])), load_file(os.path.join(out, shard["file"]))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert vat_main(["prep", "capture", "--target", train_workspace["target"], "--data", train_workspace["data"],
+                     "--output", out, "--part", "2/2"]) != 0  # one line, not a traceback

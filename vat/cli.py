@@ -97,6 +97,8 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
                    help="tokens per shard file: held in host memory until written, the unit of resume")
     p.add_argument("--limit", type=int, default=None, help="capture only the first N rows")
     p.add_argument("--max-length", type=int, default=None, help="skip rows longer than this many tokens")
+    p.add_argument("--part", default="0/1", help="I/N: write only shards I, I+N, ... (N processes fill one capture, "
+                   "e.g. one per node; complete once every part ran)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_dispatch("vat.data_prep.capture:main"))
 

@@ -55,6 +55,7 @@ def _start(output: str, fresh: dict[str, Any]) -> dict[str, Any]:
     """A new manifest, or the one in ``output`` when it records the same capture (then its shards are kept)."""
     if not os.path.exists(os.path.join(output, "manifest.json")):
         os.makedirs(output, exist_ok=True)
+        write_manifest(output, fresh)  # before any shard: every shard file in the directory is of these settings
         return fresh
     old = read_manifest(output)
     for key in ("target", "data", "rows", "dtype", "shard_tokens"):
@@ -63,6 +64,24 @@ def _start(output: str, fresh: dict[str, Any]) -> dict[str, Any]:
             raise VatError(f"{output} holds a capture with other settings ({shown}): write to another --output or "
                            "delete it")
     return old
+
+
+def _record(output: str, manifest: dict[str, Any], plan: list[tuple[int, int]], lengths: list[int],
+            written: dict[str, float]) -> dict[str, Any]:
+    """The manifest rebuilt from the shard files present and written (a shard file appears, by rename, only once
+    complete, so parts running at once each add theirs); ``written``: seconds of the shards this process wrote."""
+    previous = {s["file"]: s for s in read_manifest(output)["shards"]}
+    shards = []
+    for index, (start, end) in enumerate(plan):
+        name = shard_name(index)
+        if os.path.exists(os.path.join(output, name)):
+            seconds = written.get(name, previous.get(name, {}).get("seconds", 0.0))
+            shards.append({"file": name, "start": start, "end": end, "tokens": sum(lengths[start:end]),
+                           "bytes": os.path.getsize(os.path.join(output, name)), "seconds": seconds})
+    totals = {key: sum(s[key] for s in shards) for key in ("tokens", "bytes", "seconds")}
+    manifest = dict(manifest, shards=shards, complete=len(shards) == len(plan), **totals)
+    write_manifest(output, manifest)
+    return manifest
 
 
 def _batches(rows: list[int], lengths: list[int], tokens_per_batch: int, max_batch_size: int) -> list[list[int]]:
@@ -123,7 +142,8 @@ def _capture_shard(target: FrozenTarget, ds, rows: list[int], lengths: list[int]
 def capture(target: str, data: str, output: str, *, aux_layer_ids: list[int] | None = None, dtype: str = "auto",
             device: str | None = None, device_map: str | None = None, experts_impl: str = "grouped_mm",
             tokens_per_batch: int = 8192, max_batch_size: int = 16, shard_tokens: int = SHARD_TOKENS,
-            limit: int | None = None, max_length: int | None = None, progress: bool = True) -> dict[str, Any]:
+            limit: int | None = None, max_length: int | None = None, part: tuple[int, int] = (0, 1),
+            progress: bool = True) -> dict[str, Any]:
     """Capture ``target``'s features over the prepared dataset ``data`` into ``output`` (resumable).
 
     Args:
@@ -135,6 +155,8 @@ def capture(target: str, data: str, output: str, *, aux_layer_ids: list[int] | N
         tokens_per_batch, max_batch_size: forward batches (padded tokens, rows).
         shard_tokens: tokens per shard file (held in host memory until written; the unit a rerun resumes at).
         limit, max_length: capture the first ``limit`` rows, skipping rows over ``max_length`` tokens.
+        part: ``(i, n)``: write only the shards whose index is i mod n (n processes, e.g. one per node, fill one
+            capture; the manifest is complete once every shard is written, whoever wrote it).
         progress: show a progress bar (tokens, tokens/s).
 
     Returns:
@@ -160,32 +182,37 @@ def capture(target: str, data: str, output: str, *, aux_layer_ids: list[int] | N
         "seconds": 0.0,
     })
     plan = plan_shards(row_lengths, shard_tokens)
-    done = len(manifest["shards"])
-    bar = tqdm(total=sum(row_lengths), initial=sum(s["tokens"] for s in manifest["shards"]), unit="tok",
+    mine = [i for i in range(len(plan)) if i % part[1] == part[0]]
+    todo = [i for i in mine if not os.path.exists(os.path.join(output, shard_name(i)))]  # a rerun skips complete ones
+    tokens = {i: sum(row_lengths[start:end]) for i, (start, end) in enumerate(plan)}
+    bar = tqdm(total=sum(tokens[i] for i in mine), initial=sum(tokens[i] for i in mine if i not in todo), unit="tok",
                unit_scale=True, desc="capture", disable=not progress, dynamic_ncols=True)
+    written: dict[str, float] = {}
     try:
-        for index in range(done, len(plan)):
+        for index in todo:
             start, end = plan[index]
             began = time.time()
             tensors = _capture_shard(frozen, ds, rows[start:end], lengths, settings, bar)
             path = os.path.join(output, shard_name(index))
-            save_file(tensors, path + ".tmp", metadata={"format": FORMAT})
-            os.replace(path + ".tmp", path)
-            seconds = time.time() - began
-            shard = {"file": shard_name(index), "start": start, "end": end, "tokens": sum(row_lengths[start:end]),
-                     "bytes": os.path.getsize(path), "seconds": round(seconds, 3)}
-            manifest["shards"].append(shard)
-            for key in ("tokens", "bytes", "seconds"):
-                manifest[key] = manifest[key] + shard[key]
-            manifest["complete"] = index == len(plan) - 1
-            write_manifest(output, manifest)
+            save_file(tensors, f"{path}.{os.getpid()}.tmp", metadata={"format": FORMAT})
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
+            written[shard_name(index)] = round(time.time() - began, 3)
+            manifest = _record(output, manifest, plan, row_lengths, written)
     finally:
         bar.close()
         frozen.close()
-    if not manifest["complete"]:  # a rerun of a complete capture: nothing to do
-        manifest["complete"] = len(manifest["shards"]) == len(plan)
-        write_manifest(output, manifest)
-    return manifest
+    return _record(output, manifest, plan, row_lengths, written)
+
+
+def _part(text: str) -> tuple[int, int]:
+    """``--part I/N`` -> (I, N), 0 <= I < N; anything else in one line."""
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise VatError(f"--part must be I/N (e.g. 0/4), got `{text}`") from None
+    if not 0 <= index < count:
+        raise VatError(f"--part {text}: I must be in [0, N)")
+    return index, count
 
 
 def main(args) -> int:
@@ -194,9 +221,11 @@ def main(args) -> int:
         args.target, args.data, args.output, aux_layer_ids=args.aux_layer_ids, dtype=args.dtype, device=args.device,
         device_map=args.device_map, experts_impl=args.experts_impl, tokens_per_batch=args.tokens_per_batch,
         max_batch_size=args.max_batch_size, shard_tokens=args.shard_tokens, limit=args.limit,
-        max_length=args.max_length, progress=not args.no_progress,
+        max_length=args.max_length, part=_part(args.part), progress=not args.no_progress,
     )
     tokens, seconds = manifest["tokens"], max(manifest["seconds"], 1e-9)
+    if not manifest["complete"]:
+        print(f"part {args.part} done; the capture is complete once every part has run")
     print(f"captured {len(manifest['rows'])} rows, {tokens:,} tokens in {len(manifest['shards'])} shard(s) to "
           f"{args.output}: {manifest['bytes'] / max(tokens, 1) * 1000 / 2**20:.2f} MiB and "
           f"{seconds / max(tokens, 1) * 1000:.3f} s per 1,000 tokens ({tokens / seconds:,.0f} tokens/s)")

@@ -65,9 +65,10 @@ def routing_dtype(num_experts: int) -> torch.dtype:
 def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
     """Write ``manifest.json`` atomically (a kill leaves the previous one)."""
     path = os.path.join(directory, MANIFEST)
-    with open(path + ".tmp", "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"  # one per process: parts of one capture may write at once
+    with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def speculators_manifest(directory: str) -> dict[str, Any] | None:
