@@ -274,3 +274,16 @@ def test_a_capture_written_in_two_parts_equals_one_run(train_workspace, captured
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert vat_main(["prep", "capture", "--target", train_workspace["target"], "--data", train_workspace["data"],
                      "--output", out, "--part", "2/2"]) != 0  # one line, not a traceback
+
+
+def test_a_run_from_a_capture_killed_and_resumed_ends_as_an_uninterrupted_one(train_workspace, captured, tmp_path):
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    recipe = (*VAT[:-2], "train.max_steps=4", "train.save_every=2", f"data.capture={captured}")
+    train_main(train_config(train_workspace, full, *recipe))
+    train_main(train_config(train_workspace, killed, *recipe, "train.stop_after=2"))
+    train_main(train_config(train_workspace, killed, *recipe, "resume=auto"))
+    a, b = read_metrics(full), read_metrics(killed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for key in ("tokens", "loss", "tau_sim", "vh_bce", "union_sim", "union_scale", "grad_norm"):
+            assert ra[key] == rb[key], (ra["step"], key)
