@@ -13,13 +13,15 @@ import pytest
 import torch
 from helpers import read_metrics, train_config, train_overrides
 from safetensors.torch import load_file, save_file
-from tiny_models import save_tiny_target
+from tiny_models import FAMILIES, randomized_routing, save_tiny_target, tiny_config, tiny_model
+from transformers import AutoModelForCausalLM
 
 from vat.cli import main as vat_main
-from vat.data_prep.capture import capture
+from vat.data_prep.capture import capture, target_identity
 from vat.data_prep.capture_store import MANIFEST, CaptureReader, read_manifest, write_manifest
 from vat.errors import VatError
 from vat.target import load_target
+from vat.target.captured import load_captured_target
 from vat.train.trainer import Trainer
 from vat.train.trainer import main as train_main
 
@@ -287,3 +289,29 @@ def test_a_run_from_a_capture_killed_and_resumed_ends_as_an_uninterrupted_one(tr
     for ra, rb in zip(a, b):
         for key in ("tokens", "loss", "tau_sim", "vh_bce", "union_sim", "union_scale", "grad_norm"):
             assert ra[key] == rb[key], (ra["step"], key)
+
+
+@pytest.mark.parametrize("family,tied", [(f, False) for f in FAMILIES] + [("qwen3_moe", True)])
+def test_the_capture_fed_target_gives_the_targets_logits_in_every_family(family, tied, tmp_path):
+    """Only the embedding, final norm and LM head are read from the checkpoint (the tied head from the embedding):
+    LM head(final norm(last hidden)) from them is the target's own logits, and the routing shape comes with the
+    capture's record."""
+    model = tiny_model(family, seed=1)
+    if tied:  # an LM head that is the input embedding: the checkpoint holds it once
+        config = tiny_config(family)
+        config.tie_word_embeddings = True
+        model = randomized_routing(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    model.save_pretrained(tmp_path / "target")
+    frozen = load_target(str(tmp_path / "target"), dtype="float32", device="cpu", experts_impl="eager")
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    online = frozen.forward(ids)
+    captured = load_captured_target(str(tmp_path / "target"), target_identity(frozen, "t"), dtype="float32",
+                                    device="cpu")
+    out = captured.forward_features(online.aux_hidden, online.last_hidden, online.topk_ids)
+    torch.testing.assert_close(out.logits, online.logits, atol=1e-5, rtol=1e-5)
+    assert (captured.num_experts, captured.top_k, captured.moe_layer_ids) == (
+        frozen.num_experts, frozen.top_k, frozen.moe_layer_ids)
+    torch.testing.assert_close(captured.embed_tokens().weight, frozen.embed_tokens().weight)
+    if tied:
+        torch.testing.assert_close(captured.lm_head().weight, frozen.embed_tokens().weight)
