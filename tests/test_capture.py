@@ -134,6 +134,8 @@ def _refused(train_workspace, tmp_path, match: str, *overrides) -> None:
 def test_bad_captures_stop_in_one_line_before_training(train_workspace, captured, tmp_path):
     other = save_tiny_target(tmp_path / "other", "olmoe", num_experts=8, top_k=2, hidden_size=32)
     _refused(train_workspace, tmp_path, "hidden size 64 .* has 32", f"data.capture={captured}", f"target.path={other}")
+    twin = save_tiny_target(tmp_path / "twin", "olmoe", seed=1, num_experts=8, top_k=2)  # the same shapes, other weights
+    _refused(train_workspace, tmp_path, "LM head differ", f"data.capture={captured}", f"target.path={twin}")
     bad_vocab = str(tmp_path / "vocab")
     shutil.copytree(captured, bad_vocab)
     manifest = read_manifest(bad_vocab)

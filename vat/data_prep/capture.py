@@ -29,6 +29,7 @@ from vat.data_prep.capture_store import (
 from vat.data_prep.vocab import load_prepared_dataset
 from vat.errors import VatError
 from vat.target import FrozenTarget, load_target
+from vat.target.captured import weights_fingerprint
 
 # tokens per shard: a shard is held in host memory until it is written, (n_aux + 1) * H * bytes per token (2 GiB for
 # a Qwen3-30B-A3B shape in bf16) -- and it is the unit a rerun resumes at
@@ -42,6 +43,8 @@ def target_identity(target: FrozenTarget, name: str) -> dict[str, Any]:
         "path": target.path or name, "model_type": str(target.config.model_type), "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size, "num_layers": target.num_layers, "num_experts": target.num_experts,
         "top_k": target.top_k, "moe_layer_ids": list(target.moe_layer_ids), "aux_layer_ids": list(target.aux_layer_ids),
+        "weights": weights_fingerprint(target.embed_tokens(), target.final_norm(), target.lm_head())
+        if target.final_norm() is not None else None,
     }
 
 

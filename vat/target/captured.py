@@ -8,6 +8,7 @@ vocabulary, layers, and the aux layers the draft reads); the capture's layout is
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -111,6 +112,18 @@ class CapturedTarget:
         """Nothing to release (no hooks): the same call as :meth:`FrozenTarget.close`."""
 
 
+FINGERPRINT_STRIDE = 97  # every 97th row of the embedding and LM head (and the whole final norm) is hashed
+
+
+def weights_fingerprint(embed: nn.Module, norm: nn.Module, head: nn.Module) -> str:
+    """A hash of the embedding, final norm and LM head a capture-fed run keeps, rounded to bf16 first (a capture in
+    bf16 and a run in fp32 of one checkpoint agree; another checkpoint of the same shapes does not)."""
+    digest = hashlib.sha256()
+    for weight in (norm.weight, embed.weight[::FINGERPRINT_STRIDE], head.weight[::FINGERPRINT_STRIDE]):
+        digest.update(weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def check_capture_identity(config: Any, vocab_size: int, captured: dict[str, Any], path: str) -> None:
     """Stop in one line when the capture was taken from another target than ``path``."""
     mine = {"model_type": str(config.model_type), "hidden_size": int(config.hidden_size), "vocab_size": vocab_size,
@@ -209,5 +222,10 @@ def load_captured_target(path: str, captured: dict[str, Any], *, dtype: str = "a
         module.to_empty(device=device).load_state_dict(state)
         module.requires_grad_(False)
     check_capture_identity(config, int(modules["head"].weight.shape[0]), captured, resolved)
+    weights = weights_fingerprint(modules["embed"], modules["norm"], modules["head"])
+    if captured.get("weights") not in (None, weights):  # speculators' files record none
+        raise VatError(f"the capture was taken from a target whose embedding / final norm / LM head differ from "
+                       f"target.path {resolved}'s (same shapes: another checkpoint of the model?): capture from this "
+                       "target, or set target.path to the capture's")
     captured = complete_capture_facts(captured, skeleton, aux_layer_ids)
     return CapturedTarget(config, resolved, modules, captured, aux_layer_ids)
