@@ -17,8 +17,9 @@ from tiny_models import FAMILIES, randomized_routing, save_tiny_target, tiny_con
 from transformers import AutoModelForCausalLM
 
 from vat.cli import main as vat_main
+from vat.config import load_config
 from vat.data_prep.capture import capture, target_identity
-from vat.data_prep.capture_store import MANIFEST, CaptureReader, read_manifest, write_manifest
+from vat.data_prep.capture_store import MANIFEST, CaptureReader, read_manifest, routing_dtype, write_manifest
 from vat.errors import VatError
 from vat.target import load_target
 from vat.target.captured import load_captured_target
@@ -317,3 +318,17 @@ def test_the_capture_fed_target_gives_the_targets_logits_in_every_family(family,
     torch.testing.assert_close(captured.embed_tokens().weight, frozen.embed_tokens().weight)
     if tied:
         torch.testing.assert_close(captured.lm_head().weight, frozen.embed_tokens().weight)
+
+
+def test_the_recipe_for_a_target_larger_than_one_gpu_trains_from_a_capture():
+    """recipes/qwen3_235b_a22b: loads, reads its features from a capture, keeps the union term (vat's captures carry
+    routing), and its stated disk per token is the capture layout's bytes at the target's shape."""
+    cfg = load_config("recipes/qwen3_235b_a22b/eagle3_vat.yaml")
+    assert cfg.data.capture and cfg.target.path == "Qwen/Qwen3-235B-A22B" and cfg.loss.union_weight > 0
+    hidden, moe_layers, top_k, experts = 4096, 94, 8, 128  # Qwen3-235B-A22B's config
+    routing_bytes = torch.empty((), dtype=routing_dtype(experts)).element_size()  # uint8 for 128 experts
+    per_token = (3 * hidden + hidden) * 2 + moe_layers * top_k * routing_bytes + 4  # aux + last (bf16), routing, id
+    assert per_token == 33_524
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "qwen3_235b_a22b",
+                           "eagle3_vat.yaml")) as f:
+        assert "33,524 bytes/token" in f.read()
