@@ -230,6 +230,7 @@ def test_tree_verification_weighs_tokens_by_their_tree_depth(monkeypatch):
     (N_d > 1 at some depth), and the decode runs to its length with a cut union."""
     import vat.target.model as model_module
     from vat.eval.engine import SpeculativeEngine
+    from vat.eval.policies.acceptmoe import AcceptMoEBudget
     from vat.eval.tree import TreeSpec
 
     model = tiny_model("olmoe", seed=2)
@@ -247,7 +248,7 @@ def test_tree_verification_weighs_tokens_by_their_tree_depth(monkeypatch):
         draft = make_eagle3_draft(model, target, rigged=True)
         spec = AcceptMoESpec(commitment=(0.5, 0.25))
         engine = SpeculativeEngine(target, draft, tree=TreeSpec(3, 3, 8), budget="auto", policy="acceptmoe",
-                                   acceptmoe=spec, max_new_tokens=16)
+                                   policies=[AcceptMoEBudget(spec)], max_new_tokens=16)
         gen = engine.generate(torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(0)).tolist())
     finally:
         target.close()

@@ -53,7 +53,8 @@ def _pools(target, draft, prompt, tree, ecospec=None):
 
     engine_module.build_tree = recording
     try:
-        gen = SpeculativeEngine(target, draft, tree=tree, ecospec=ecospec, max_new_tokens=NEW_TOKENS).generate(prompt)
+        gen = SpeculativeEngine(target, draft, tree=tree, policies=[ecospec] if ecospec is not None else [],
+                                max_new_tokens=NEW_TOKENS).generate(prompt)
     finally:
         engine_module.build_tree = build
     return gen, records
@@ -95,7 +96,7 @@ def test_ecospec_greedy_decoding_is_lossless(setup, lam):
     for name, draft in drafts.items():
         for tree in TREES[1:]:
             for prompt in prompts[1:]:
-                engine = SpeculativeEngine(target, draft, tree=tree, ecospec=EcoSpec(predictor, lam=lam),
+                engine = SpeculativeEngine(target, draft, tree=tree, policies=[EcoSpec(predictor, lam=lam)],
                                            max_new_tokens=NEW_TOKENS)
                 gen = engine.generate(prompt)
                 assert gen.token_ids == cached_greedy_reference(model, prompt, NEW_TOKENS), (name, tree, prompt)

@@ -15,8 +15,10 @@ from helpers import make_eagle3_draft
 
 from vat.errors import VatError
 from vat.eval.commitment import load_commitment
-from vat.eval.quality import response_kl
 from vat.eval.config import parse_budgets
+from vat.eval.policies import EvalPolicy
+from vat.eval.policies.registry import EVAL_POLICIES, policy_help
+from vat.eval.quality import response_kl
 from vat.eval.run import run_eval
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,3 +120,38 @@ def test_commitment_from_an_eval_json(tmp_path):
     del ev["drafts"]["b"]
     f.write_text(json.dumps(ev))
     assert load_commitment(str(f), None) == (0.7, 0.5)  # the only trained draft
+
+
+class _DepthOne(EvalPolicy):
+    """A toy selection policy registered at test time: every trained draft's chain cut to its first token."""
+
+    name = "depth1"
+    summary = "every drafted chain cut to depth 1"
+
+    def for_pass(self, draft, budget):
+        return self if draft.model is not None and not draft.is_free else None
+
+    def cut_chain(self, draft, context, mode):
+        return draft.prefix(1)
+
+
+def test_a_policy_registered_in_one_line_runs_through_vat_eval(quick, spec_bench_file, tmp_path, monkeypatch):
+    """One registry entry is all `vat eval` needs: the name is a choice (config check, --help), the engine cuts every
+    round of the draft to one draft token (a chain of 4 otherwise), and greedy decoding still gives AR's output."""
+    path, target, draft = quick
+    monkeypatch.setitem(EVAL_POLICIES, "depth1", _DepthOne)
+    assert "depth1" in policy_help("tree_policy")[0]
+    out = str(tmp_path / "depth1")
+    ev = run_eval(target=target, drafts=[("d", draft)], benchmarks=[spec_bench_file], limit=2, steps=4,
+                  max_new_tokens=12, tree_policy="depth1", tokenizer=path, output=out, progress=False, plots=False)
+    assert ev["settings"]["tree_policy"] == "depth1"
+    bench = ev["benchmarks"][0]
+    entries = ev["per_prompt"]["d"]["none"][bench]
+    assert len(entries) == 2 and all(e["drafted"] == e["rounds"] > 0 for e in entries)  # one draft token per round
+    assert ev["per_prompt"]["none"]["none"][bench][0]["drafted"] == 0
+    with open(os.path.join(out, "generations.jsonl")) as f:
+        rows = {(r["question_id"], r["draft"]): r["token_ids"] for r in map(json.loads, f)}
+    assert len(rows) == 4 and all(ids == rows[(qid, "none")] for (qid, label), ids in rows.items())  # lossless
+    monkeypatch.delitem(EVAL_POLICIES, "depth1")
+    with pytest.raises(VatError, match="one of confidence, evict, ecospec"):
+        run_eval(target=target, drafts=[("d", draft)], tree_policy="depth1", tokenizer=path, progress=False)

@@ -112,7 +112,7 @@ def test_evict_greedy_decoding_is_lossless(setup, tree):
     for name, draft in drafts.items():
         evict = Evict(model_cost, table, draft_shape(draft))
         for prompt in prompts:
-            engine = SpeculativeEngine(target, draft, steps=6, tree=tree, evict=evict, max_new_tokens=NEW_TOKENS)
+            engine = SpeculativeEngine(target, draft, steps=6, tree=tree, policies=[evict], max_new_tokens=NEW_TOKENS)
             gen = engine.generate(prompt)
             assert gen.token_ids == cached_greedy_reference(model, prompt, NEW_TOKENS), (name, prompt)
             truncated += sum(r.drafted < full for r in gen.rounds)
@@ -133,8 +133,8 @@ def test_evict_uses_the_verification_head_and_stays_lossless(setup):
             draft.verification_head.weight.zero_()
             draft.verification_head.bias.fill_(bias)
         for tree in (None, TreeSpec(2, 3, 6)):
-            engine = SpeculativeEngine(target, draft, steps=5, tree=tree, evict=Evict(model_cost, table,
-                                       draft_shape(draft)), max_new_tokens=NEW_TOKENS)
+            engine = SpeculativeEngine(target, draft, steps=5, tree=tree, policies=[Evict(model_cost, table,
+                                       draft_shape(draft))], max_new_tokens=NEW_TOKENS)
             gen = engine.generate(prompts[0])
             assert gen.token_ids == reference
             drafted[(bias, tree is None)] = sum(r.drafted for r in gen.rounds) / len(gen.rounds)
@@ -150,7 +150,7 @@ def test_evict_truncates_a_block_chain_with_its_q_rows():
                        attn_flops_per_key=0)
     evict = Evict(CostModel(get_accelerator("h200"), shape), table)
     draft = ChainDraft(tokens=torch.tensor([4, 5, 6]), q=torch.rand(3, 9), probs=[0.99, 0.01, 0.9])
-    out = evict.chain(draft, context=3, mode="block")
+    out = evict.cut_chain(draft, context=3, mode="block")
     assert out.tokens.tolist() == [4] and out.q.shape == (1, 9) and out.probs == [0.99]
 
 
@@ -161,7 +161,7 @@ def test_evict_under_a_budget_and_when_sampling(setup):
     assert all(u <= 3.0 for u in capped.union(16)) and max(Evict(model_cost, table).union(16)) > 3.0
     for tree in (None, TreeSpec(3, 3, 8)):
         engine = SpeculativeEngine(target, drafts["rigged"], steps=5, tree=tree, temperature=1.0, budget=3,
-                                   evict=Evict(model_cost, table, draft_shape(drafts["rigged"]), budget=3),
+                                   policies=[Evict(model_cost, table, draft_shape(drafts["rigged"]), budget=3)],
                                    max_new_tokens=NEW_TOKENS)
         gen = engine.generate(prompts[1], torch.Generator().manual_seed(0))
         assert len(gen.token_ids) == NEW_TOKENS and all(max(r.union) <= 3 for r in gen.rounds)
@@ -178,7 +178,7 @@ def test_evict_on_dflash_blocks_is_lossless():
     drafted = []
     for rigged in (True, False):
         draft = make_dflash_draft(model, target, rigged=rigged)
-        engine = SpeculativeEngine(target, draft, evict=Evict(model_cost, table, draft_shape(draft)),
+        engine = SpeculativeEngine(target, draft, policies=[Evict(model_cost, table, draft_shape(draft))],
                                    max_new_tokens=NEW_TOKENS)
         assert engine.mode == "block"
         for prompt in prompts:

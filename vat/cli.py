@@ -191,6 +191,32 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_dispatch("vat.train.trainer:cli_main"))
 
 
+class _PolicyFlag(argparse.Action):
+    """A `vat eval` policy flag (``--tree-policy``, ``--policy``): stores its value (EvalConfig checks it) and lists
+    the choices of the policy registry (vat.eval.policies.registry) in its help, read only when the help is printed:
+    the registry imports torch, which `vat --help` and the other commands do not need."""
+
+    def __init__(self, option_strings, dest, setting: str, help: str, **kwargs):  # noqa: A002 (argparse's name)
+        self.setting = setting
+        self.template = help  # {choices}, {registered}: filled from the registry
+        super().__init__(option_strings, dest, **kwargs)
+
+    @property
+    def help(self) -> str:
+        """The help text with the registry's choices."""
+        from vat.eval.policies.registry import policy_help  # the command's module, as _dispatch imports it
+
+        names, registered = policy_help(self.setting)
+        return self.template.format(choices=", ".join(names), registered=registered)
+
+    @help.setter
+    def help(self, value) -> None:  # argparse.Action.__init__ assigns help: the template stands
+        pass
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+
+
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
@@ -215,20 +241,17 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, help="0 = greedy; > 0 = lossless speculative sampling")
     p.add_argument("--budget", help="comma list of budgets, `none` = natural routing: none,8,4; `auto` = "
                    "AcceptMoE's self-sized set (default: none; auto with --policy acceptmoe)")
-    p.add_argument("--policy", help="budget policy: substitute / truncate = MoE-Spec (top-B experts by summed router "
-                   "score; truncate gives out-of-set experts zero weight, as the paper; truncate_cover rescales and "
-                   "substitutes tokens left without experts); acceptmoe = AcceptMoE (commitment-weighted demand, root "
-                   "anchor, self-sized with --budget auto or |S| = B with an int; changes the output)")
+    p.add_argument("--policy", action=_PolicyFlag, setting="policy", help="budget policy, one of {choices}: substitute "
+                   "/ truncate = MoE-Spec (top-B experts by summed router score; truncate gives out-of-set experts zero "
+                   "weight, as the paper; truncate_cover rescales and substitutes tokens left without experts); "
+                   "{registered}")
     p.add_argument("--commitment", help="AcceptMoE's p̂_d (probability that depth d is on the accepted path): an "
                    "eval.json of the same draft (its acceptance by position at budget none) or a JSON list [p_1, p_2, "
                    "...]; default the prior 0.8^d")
     p.add_argument("--vh-threshold", type=float, help="stop drafting (truncate a DFlash block) when the "
                    "verification head predicts rejection")
-    p.add_argument("--tree-policy", help="which drafted tokens are verified: confidence = all (the chain / EAGLE tree "
-                   "as drafted); evict = EVICT: truncate the chain, block or tree to the prefix with the most expected "
-                   "accepted tokens per modeled verification cost (lossless); ecospec = EcoSpec: tree nodes chosen by "
-                   "draft log-probability minus --ecospec-lambda x predicted new experts per layer (lossless; needs "
-                   "--tree)")
+    p.add_argument("--tree-policy", action=_PolicyFlag, setting="tree_policy", help="which drafted tokens are verified, "
+                   "one of {choices}: {registered}")
     p.add_argument("--ecospec-lambda", type=float, help="EcoSpec's trade-off: nats of draft log-probability one "
                    "predicted new expert per layer costs; 0 = confidence selection")
     p.add_argument("--affinity", help="EcoSpec's expert predictor: an affinity table (`vat prep affinity --target ...` "

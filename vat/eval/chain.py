@@ -32,6 +32,14 @@ class ChainDraft:
     probs: list[float] | None = None
     vh: list[float] | None = None
 
+    def prefix(self, n: int) -> ChainDraft:
+        """The first ``n`` drafts (itself when ``n`` keeps them all): what a chain-cutting policy verifies."""
+        if n >= int(self.tokens.shape[0]):
+            return self
+        return ChainDraft(tokens=self.tokens[:n], q=None if self.q is None else self.q[:n],
+                          probs=None if self.probs is None else self.probs[:n],
+                          vh=None if self.vh is None else self.vh[:n])
+
 
 def _vh_stops(vh_logit: float | None, threshold: float | None) -> bool:
     """True when the verification head predicts rejection: sigmoid(logit) < threshold."""

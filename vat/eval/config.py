@@ -8,7 +8,6 @@ same choices. :func:`check_eval_config` rejects a bad setting in one line before
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,12 +16,13 @@ from vat.errors import VatError
 from vat.eval.cost import get_accelerator, served_bytes_of
 from vat.eval.ngram import DEFAULT_N_MAX, DEFAULT_N_MIN, RULES
 from vat.eval.offload import HOST_LINKS, RESIDENCY_POLICIES, OffloadSpec
+from vat.eval.policies import EvalPolicy
+from vat.eval.policies.registry import DEFAULT_TREE_POLICY, choices, picked, self_sized
 from vat.eval.tree import TreeSpec
 from vat.target.budget import POLICIES
 
 NO_BUDGET = "none"
 SELF_SIZED = "auto"  # the budget of a policy that sizes its expert set itself (acceptmoe)
-TREE_POLICIES = ("confidence", "evict", "ecospec")  # how the drafted chain / tree is chosen before verification
 
 
 @dataclass
@@ -35,9 +35,9 @@ class EvalConfig:
     tree: Optional[str] = None  # dynamic tree "top_k,depth,total_tokens" (None = chain)
     temperature: float = 0.0  # 0 = greedy, > 0 = lossless speculative sampling
     budgets: Any = NO_BUDGET  # "none,8,4" or a list (None = natural routing, "auto" = acceptmoe's self-sized set)
-    policy: str = DEFAULT_BUDGET_POLICY  # substitute | truncate | truncate_cover (MoE-Spec) | acceptmoe
+    policy: str = DEFAULT_BUDGET_POLICY  # budget policy: one of vat.target.budget.POLICIES
     vh_threshold: Optional[float] = None  # stop drafting when the verification head's probability falls below
-    tree_policy: str = "confidence"  # confidence (verify all drafted) | evict (EVICT) | ecospec (EcoSpec)
+    tree_policy: str = DEFAULT_TREE_POLICY  # how the drafts are chosen: a vat.eval.policies.registry name
     verify_cost: Optional[str] = None  # EVICT's verification-cost profile; None = profiled on the fly
     cost_model: Optional[str] = None  # roofline bytes model (h100 | h200 | a100 | l40s[@eta=η,latency_us=µs])
     served_dtype: str = "bfloat16"  # the dtype the cost model prices weights and KV in
@@ -98,12 +98,14 @@ def parse_budgets(text: str | None) -> list[int | str | None]:
 
 @dataclass
 class CheckedEval:
-    """An :class:`EvalConfig` after :func:`check_eval_config`: the tree parsed and the budgets listed."""
+    """An :class:`EvalConfig` after :func:`check_eval_config`: the tree parsed, the budgets listed, the eval policies it
+    picks built (:mod:`vat.eval.policies`)."""
 
     config: EvalConfig
     tree: TreeSpec | None
     budgets: list[int | str | None]
     offload: OffloadSpec | None = None
+    policies: list[EvalPolicy] = field(default_factory=list)
 
     def __getattr__(self, name: str) -> Any:  # the config's fields read through (steps, policy, temperature ...)
         return getattr(self.config, name)
@@ -123,24 +125,13 @@ def check_eval_config(cfg: EvalConfig) -> CheckedEval:
     tree = TreeSpec.parse(cfg.tree) if isinstance(cfg.tree, str) else cfg.tree
     budgets = parse_budgets(cfg.budgets) if isinstance(cfg.budgets, str) or cfg.budgets is None else list(cfg.budgets)
     check_eval_section("--", policy=cfg.policy, tree_policy=cfg.tree_policy, cost_model=cfg.cost_model)
-    if cfg.verify_cost is not None and cfg.tree_policy != "evict":
-        raise VatError("--verify-cost is EVICT's profile: add --tree-policy evict")
     if cfg.cost_model is not None:
         served_bytes_of(cfg.served_dtype)
-    if cfg.verify_cost is not None and not os.path.exists(cfg.verify_cost):
-        raise VatError(f"--verify-cost {cfg.verify_cost}: no such file (write it with `vat profile --verify-widths "
-                       "...`)")
-    if cfg.tree_policy == "ecospec" and tree is None:
-        raise VatError("--tree-policy ecospec chooses the nodes of a dynamic tree: add --tree top_k,depth,total")
-    if cfg.affinity is not None and cfg.tree_policy != "ecospec":
-        raise VatError("--affinity is EcoSpec's expert predictor: add --tree-policy ecospec")
-    if cfg.affinity is not None and not os.path.exists(cfg.affinity):
-        raise VatError(f"--affinity {cfg.affinity}: no such file (write one with `vat prep affinity`)")
-    if SELF_SIZED in budgets and cfg.policy != "acceptmoe":
-        raise VatError(f"--budget {SELF_SIZED} (a self-sized expert set) needs --policy acceptmoe")
-    if cfg.commitment is not None and cfg.policy != "acceptmoe":
-        raise VatError("--commitment is AcceptMoE's estimate: add --policy acceptmoe")
-    return CheckedEval(config=cfg, tree=tree, budgets=budgets, offload=_offload(cfg))
+    policies = picked(cfg, tree)  # the tree and budget policies' own settings checked
+    if SELF_SIZED in budgets and not self_sized(cfg.policy):
+        raise VatError(f"--budget {SELF_SIZED} (a self-sized expert set) needs --policy "
+                       f"{' | '.join(p for p in POLICIES if self_sized(p))}")
+    return CheckedEval(config=cfg, tree=tree, budgets=budgets, offload=_offload(cfg), policies=policies)
 
 
 def _offload(cfg: EvalConfig) -> OffloadSpec | None:
@@ -168,8 +159,8 @@ def check_eval_section(where: str, *, policy: str | None = None, tree_policy: st
 
     if policy is not None and policy not in POLICIES:
         raise bad("policy", policy, f"one of {', '.join(POLICIES)}")
-    if tree_policy is not None and tree_policy not in TREE_POLICIES:
-        raise bad("tree_policy", tree_policy, f"one of {', '.join(TREE_POLICIES)}")
+    if tree_policy is not None and tree_policy not in choices("tree_policy"):
+        raise bad("tree_policy", tree_policy, f"one of {', '.join(choices('tree_policy'))}")
     if tree is not None and str(tree).lower() != "chain":
         TreeSpec.parse(tree)
     if cost_model is not None:

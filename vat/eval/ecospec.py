@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from vat.data_prep.vocab import target_to_draft_ids
 from vat.errors import VatError, require_file
+from vat.eval.policies import RoundPolicy
 
 AFFINITY_FILE = "affinity.safetensors"  # a vat draft directory's own table (trainer output)
 
@@ -102,8 +103,8 @@ class ExpertPredictor:
 
 
 @dataclass
-class EcoSpec:
-    """EcoSpec's node selection for one eval run.
+class EcoSpec(RoundPolicy):
+    """EcoSpec's node selection for one eval run (a round policy: it chooses the tree's nodes).
 
     Attributes:
         predictor: the expert predictor.

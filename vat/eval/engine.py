@@ -37,6 +37,7 @@ from vat.eval.chain import ChainDraft, draft_chain, judge_chain
 from vat.eval.draft_state import DraftHead, DraftState
 from vat.eval.free_drafts import is_free_draft
 from vat.eval.ngram import NgramSpec, PromptLookup, point_mass_q
+from vat.eval.policies import RoundPolicy
 from vat.eval.sampling import choose_token
 from vat.eval.suffix import SuffixRequest, SuffixSpec
 from vat.eval.tree import TreeSpec, build_tree, judge_tree
@@ -123,12 +124,11 @@ class SpeculativeEngine:
         policy: ``substitute`` or ``truncate``.
         vh_threshold: stop drafting where the verification head's acceptance probability falls below this (a DFlash
             block is truncated before that slot).
-        evict: an :class:`vat.eval.evict.Evict` policy: truncate each drafted chain, block or tree before
-            verification (lossless; None = verify everything drafted; n-gram chains are never truncated).
-        ecospec: an :class:`vat.eval.ecospec.EcoSpec` policy: choose the tree's nodes by draft log-probability minus
-            λ x predicted new experts (lossless; tree drafting only; None = by log-probability alone).
-        acceptmoe: AcceptMoE's commitment weighting (:class:`vat.target.budget.AcceptMoESpec`) when ``policy`` is
-            ``acceptmoe`` (``budget`` ``"auto"`` = self-sized; an int fixes |S|).
+        policies: the round hooks of this pass (:class:`vat.eval.policies.RoundPolicy`, applied in order): cut each
+            drafted chain, DFlash block or tree before verification (EVICT: :class:`vat.eval.evict.Evict`; n-gram
+            chains are never cut), choose the tree's nodes (EcoSpec: :class:`vat.eval.ecospec.EcoSpec`; at most one
+            selector), adjust the verification budget (AcceptMoE's commitment weighting under policy ``acceptmoe``:
+            :class:`vat.eval.policies.acceptmoe.AcceptMoEBudget`). Empty = verify everything drafted.
         max_new_tokens: generated tokens per sequence (the prefill's token included).
         eos_token_ids: tokens that end a sequence.
         record_experts: keep each round's executed expert ids (``RoundStats.expert_sets`` / ``input_experts``), the
@@ -146,9 +146,7 @@ class SpeculativeEngine:
         budget=None,
         policy: str = DEFAULT_BUDGET_POLICY,
         vh_threshold: float | None = None,
-        evict=None,
-        ecospec=None,
-        acceptmoe=None,
+        policies: Sequence[RoundPolicy] = (),
         max_new_tokens: int = 256,
         eos_token_ids: Iterable[int] = (),
         record_experts: bool = False,
@@ -162,15 +160,23 @@ class SpeculativeEngine:
         self.steps = steps
         self.tree = tree
         self.temperature = float(temperature)
-        self.budget = BudgetSpec(B=budget, policy=policy, acceptmoe=acceptmoe) if budget is not None else None
+        self.policies = list(policies)
+        self.budget = self._budget_spec(budget, policy)
         self.vh_threshold = vh_threshold
-        self.evict = evict
-        self.ecospec = ecospec
         self.max_new_tokens = max_new_tokens
         self.eos = {int(t) for t in eos_token_ids}
         self.record_experts = record_experts
         self._window = sliding_window_limit(target.config) if tree is not None else None
         self._lookups = drafter.session() if is_free_draft(drafter) else None
+
+    def _budget_spec(self, budget, policy: str) -> BudgetSpec | None:
+        """The verification forwards' budget, as the policies adjust it (None = natural routing)."""
+        if budget is None:
+            return None
+        spec = BudgetSpec(B=budget, policy=policy)
+        for p in self.policies:
+            spec = p.budget_spec(spec)
+        return spec
 
     def reset_lookup(self) -> None:
         """Forget what a free draft's session has seen (suffix decoding's cache of earlier responses)."""
@@ -264,10 +270,10 @@ class SpeculativeEngine:
             return self._ar_round(cache, root, generator)
         if self.mode == "block":
             draft = draft_block(state, root, vh_threshold=self.vh_threshold, generator=generator)
-            return self._evicted_chain_round(cache, draft, root, generator)
+            return self._cut_chain_round(cache, draft, root, generator)
         if self.mode == "chain":
             draft = draft_chain(state, head, self.steps, vh_threshold=self.vh_threshold, generator=generator)
-            return self._evicted_chain_round(cache, draft, root, generator)
+            return self._cut_chain_round(cache, draft, root, generator)
         if self.mode == "ngram":
             proposed = lookup.propose(self.steps)
             draft = ChainDraft(tokens=torch.tensor(proposed, dtype=torch.long, device=self.target.device), q=None)
@@ -276,14 +282,23 @@ class SpeculativeEngine:
 
     # ---- rounds --------------------------------------------------------------------------------------------------
 
-    def _evicted_chain_round(self, cache, draft: ChainDraft, root: int, generator) -> _Outcome:
-        """A chain (or DFlash block) round, the chain first truncated by EVICT when it is on."""
-        if self.evict is None:
+    def _cut_chain_round(self, cache, draft: ChainDraft, root: int, generator) -> _Outcome:
+        """A chain (or DFlash block) round, the chain first cut by the policies (EVICT) when there are any."""
+        if not self.policies:
             return self._chain_round(cache, draft, root, generator)
         drafted = int(draft.tokens.shape[0])
-        outcome = self._chain_round(cache, self.evict.chain(draft, cache_length(cache), self.mode), root, generator)
-        outcome.stats.drafted_depth = drafted
+        for p in self.policies:
+            draft = p.cut_chain(draft, cache_length(cache), self.mode)
+        outcome = self._chain_round(cache, draft, root, generator)
+        outcome.stats.drafted_depth = drafted  # what the draft ran, before the cut
         return outcome
+
+    def _selector(self, root: int):
+        """The tree's node selection of this round (None = by log-probability): at most one policy gives one."""
+        selectors = [s for p in self.policies if (s := p.selector(root)) is not None]
+        if len(selectors) > 1:
+            raise VatError(f"{len(selectors)} policies choose the tree's nodes: keep one")
+        return selectors[0] if selectors else None
 
     def _union(self, topk_ids: torch.Tensor) -> list[int]:
         """(L', 1, T, k) executed ids of one verification forward -> experts per layer (the block is one window)."""
@@ -331,11 +346,10 @@ class SpeculativeEngine:
     def _tree_round(self, cache, state: DraftState, head: DraftHead, root: int, generator) -> _Outcome:
         device = self.target.device
         n = cache_length(cache)
-        select = self.ecospec.selector(root) if self.ecospec is not None else None
-        tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold, select=select)
-        drafted_depth = tree.drafted_depth  # levels drafted: the selection (and EVICT) may keep fewer
-        if self.evict is not None:
-            tree = self.evict.tree(tree, n, self.tree.top_k)
+        tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold, select=self._selector(root))
+        drafted_depth = tree.drafted_depth  # levels drafted: the selection (and a cut) may keep fewer
+        for p in self.policies:
+            tree = p.cut_tree(tree, n, self.tree.top_k)
         block = torch.tensor([[root] + tree.tokens], device=device)  # (1, N + 1)
         if self._window is not None and n + block.shape[1] > self._window:
             raise VatError(

@@ -27,6 +27,7 @@ import torch
 
 from vat.eval.chain import ChainDraft
 from vat.eval.cost import CostModel, ModelShape, draft_forwards
+from vat.eval.policies import RoundPolicy
 from vat.eval.tree import DraftTree
 from vat.eval.verify_cost import VerifyCostTable
 
@@ -105,8 +106,8 @@ def chain_probs(draft: ChainDraft) -> list[float]:
 
 
 @dataclass
-class Evict:
-    """EVICT as the engine applies it.
+class Evict(RoundPolicy):
+    """EVICT as the engine applies it (a round policy: it cuts chains, blocks and trees).
 
     Attributes:
         cost: the cost model (accelerator, target shape, served dtype).
@@ -128,7 +129,7 @@ class Evict:
     def _verify(self, context: int) -> Callable[[int], float]:
         return lambda n: self.cost.verify(n + 1, context, self.union(n + 1))
 
-    def tree(self, tree: DraftTree, context: int, top_k: int) -> DraftTree:
+    def cut_tree(self, tree: DraftTree, context: int, top_k: int) -> DraftTree:
         """Truncate a drafted tree (``context``: the target's cached positions before the block)."""
         if not len(tree):
             return tree
@@ -137,7 +138,7 @@ class Evict:
         keep = evict_select(tree_probs(tree), tree.parents, tree.depths, self._verify(context), t_draft)
         return tree if len(keep) == len(tree) else subtree(tree, keep)
 
-    def chain(self, draft: ChainDraft, context: int, mode: str = "chain") -> ChainDraft:
+    def cut_chain(self, draft: ChainDraft, context: int, mode: str = "chain") -> ChainDraft:
         """Truncate a drafted chain (EAGLE-3 chain or DFlash block: ``mode`` ``chain`` / ``block``)."""
         k = int(draft.tokens.shape[0])
         if k == 0 or (draft.probs is None and draft.vh is None):
@@ -145,12 +146,7 @@ class Evict:
         t_draft = self.cost.draft(self.draft, draft_forwards(mode, k), context)
         keep = evict_select(chain_probs(draft), list(range(-1, k - 1)), list(range(1, k + 1)),
                             self._verify(context), t_draft)
-        n = len(keep)  # a chain's prefix-closed sets are its prefixes
-        if n == k:
-            return draft
-        return ChainDraft(tokens=draft.tokens[:n], q=None if draft.q is None else draft.q[:n],
-                          probs=None if draft.probs is None else draft.probs[:n],
-                          vh=None if draft.vh is None else draft.vh[:n])
+        return draft.prefix(len(keep))  # a chain's prefix-closed sets are its prefixes
 
 
 def token_prob(logits: torch.Tensor, token: torch.Tensor) -> float:

@@ -26,25 +26,23 @@ from vat.drafters.dflash import DFlashDrafter, check_dflash_matches_target
 from vat.drafters.eagle3 import Eagle3Drafter, check_draft_matches_target
 from vat.errors import VatError
 from vat.eval.benchmarks import load_benchmark
-from vat.eval.commitment import load_commitment
 from vat.eval.config import (
     EVAL_FIELDS,
     NO_BUDGET,
-    SELF_SIZED,
     CheckedEval,
     EvalConfig,
     check_eval_config,
     eval_config,
 )
-from vat.eval.cost import CostModel, add_costs, draft_shape, get_accelerator, pooled_cost, served_bytes_of, target_shape
-from vat.eval.ecospec import AFFINITY_FILE, EcoSpec, ExpertPredictor
+from vat.eval.cost import CostModel, add_costs, get_accelerator, pooled_cost, served_bytes_of, target_shape
 from vat.eval.engine import SpeculativeEngine
-from vat.eval.evict import Evict
 from vat.eval.free_drafts import is_free_draft, parse_free_draft
 from vat.eval.metrics import PromptRun, by_category, prompt_counts, prompt_totals, set_speedups, summarize
 from vat.eval.ngram import NgramSpec
 from vat.eval.offload import add_offload, pooled_offload
 from vat.eval.offload import describe as describe_offload
+from vat.eval.policies import EvalPolicy, PolicySetup
+from vat.eval.policies.registry import default_budget, run_record, settings_record
 from vat.eval.prompts import decode, eos_token_ids, render_chat
 from vat.eval.quality import (
     add_counts,
@@ -58,10 +56,8 @@ from vat.eval.reference_cache import load_reference, reference_key, save_referen
 from vat.eval.report import markdown_summary, write_outputs
 from vat.eval.suffix import SuffixSpec
 from vat.eval.tree import TreeSpec
-from vat.eval.verify_cost import DEFAULT_WIDTHS, build_verify_cost, load_verify_cost, own_texts
 from vat.export.checkpoint import load_draft
 from vat.target import FrozenTarget, load_target
-from vat.target.budget import AcceptMoESpec
 
 AR_LABEL = "none"
 EVAL_FORMAT_VERSION = 1
@@ -77,8 +73,6 @@ class DraftEntry:
     model: Any = None
     aux_layer_ids: list[int] | None = None
     vh_threshold: float | None = None
-    ecospec: Any = None  # an EcoSpec policy for this draft's trees (--tree-policy ecospec)
-    acceptmoe: Any = None  # its AcceptMoE commitment weighting (--policy acceptmoe)
 
     @property
     def is_free(self) -> bool:
@@ -238,21 +232,17 @@ def _decode_prompt(engine, tokenizer, prompt, index: int, seed: int) -> tuple[Pr
     return run, ids, texts
 
 
-def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_new_tokens, eos, evict=None,
-            record_experts: bool = False):
+def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_new_tokens, eos,
+            policies: list[EvalPolicy] = (), record_experts: bool = False):
+    """The engine of one pass, with the round hooks the eval policies give this draft under this budget."""
     drafter = config.draft.model
     if config.draft.aux_layer_ids is not None:
         target.aux_layer_ids = list(config.draft.aux_layer_ids)  # the features this draft reads
     eagle = drafter is not None and not config.draft.is_free and not config.draft.is_block
-    if evict is not None and (drafter is None or config.draft.is_free):
-        evict = None  # EVICT truncates a trained draft's chain, block or tree; n-gram chains carry no probabilities
-    elif evict is not None:
-        cap = config.budget if isinstance(config.budget, int) else None  # a fixed B caps the verified union
-        evict = Evict(evict[0], evict[1], draft_shape(drafter), budget=cap)
+    hooks = [h for p in policies if (h := p.for_pass(config.draft, config.budget)) is not None]
     return SpeculativeEngine(
         target, drafter, steps=steps, tree=tree if eagle else None, temperature=temperature,
-        budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, evict=evict,
-        ecospec=config.draft.ecospec if eagle else None, acceptmoe=config.draft.acceptmoe,
+        budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, policies=hooks,
         max_new_tokens=max_new_tokens, eos_token_ids=eos, record_experts=record_experts,
     )
 
@@ -343,8 +333,8 @@ def run_eval(
 @dataclass
 class _Run:
     """What every benchmark of one ``run_eval`` shares: the loaded target, tokenizer and drafts, the passes to run
-    (draft x budget), and the cost model / EVICT profile (EVICT's, when profiled on the fly, is set by the first
-    benchmark)."""
+    (draft x budget), the cost model and the eval policies the config picked (set up once, told each benchmark's
+    prompts)."""
 
     settings: CheckedEval
     target: Any
@@ -356,7 +346,7 @@ class _Run:
     max_positions: int | None
     bytes_per_layer: list[int]
     cost: Any
-    evict: Any
+    policies: list[EvalPolicy]
     max_new_tokens: int
     seed: int
     progress: bool
@@ -388,23 +378,21 @@ def _set_up(target, drafts, settings: CheckedEval, *, tokenizer, autoregressive:
     if settings.offload is not None:  # C against the target's k and E, before anything decodes
         settings.offload.check(target_obj.num_experts, target_obj.top_k)
     _attach(eagle, target_obj, cfg.vh_threshold)
-    _attach_policies(eagle, target_obj, settings.tree, cfg.tree_policy, cfg.ecospec_lambda, cfg.affinity,
-                     cfg.policy, cfg.commitment)
     tok = _load_tokenizer(tokenizer, target_obj)
     # the AR pass is the denominator of speedup_vs_ar; a caller that measures AR once elsewhere (vat bench) skips it
     # unless `none` is asked for by name
     asked_ar = any(isinstance(d, str) and d.lower() == AR_LABEL for d in drafts)
     configs = [RunConfig(DraftEntry(AR_LABEL, None), None)] if autoregressive or asked_ar or not entries else []
     configs += [RunConfig(d, b) for d in entries for b in settings.budgets]
-    cost, evict = _cost_and_evict(target_obj, settings.cost_model, settings.served_dtype, settings.tree_policy,
-                                  settings.verify_cost)
+    cost = _cost_model(target_obj, settings.cost_model, settings.served_dtype)
+    block = 1 + max([_drafted_per_round(d, settings.steps, settings.tree) for d in entries] or [0])  # n-gram: steps
+    for policy in settings.policies:  # before anything decodes: a missing predictor stops here
+        policy.setup(PolicySetup(target=target_obj, tok=tok, drafts=eagle, cost=cost,
+                                 max_new_tokens=cfg.max_new_tokens, block=block))
     return _Run(
         settings=settings, target=target_obj, tok=tok, eos=eos_token_ids(tok, target_obj.model), entries=entries,
-        configs=configs,
-        # n-gram drafts are chains of `steps`
-        block=1 + max([_drafted_per_round(d, settings.steps, settings.tree) for d in entries] or [0]),
-        max_positions=getattr(target_obj.config, "max_position_embeddings", None),
-        bytes_per_layer=target_obj.expert_bytes_per_layer(), cost=cost, evict=evict,
+        configs=configs, block=block, max_positions=getattr(target_obj.config, "max_position_embeddings", None),
+        bytes_per_layer=target_obj.expert_bytes_per_layer(), cost=cost, policies=settings.policies,
         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, progress=progress, reference_cache=cfg.reference_cache,
     )
 
@@ -431,9 +419,8 @@ def _evaluate_benchmark(run: _Run, spec: str, limit: int | None, gen_file, out: 
         return
     out.bench_names.append(name)
     out.sources[name] = os.path.abspath(spec) if os.path.exists(spec) else spec
-    if run.evict is not None and run.evict[1] is None:  # EVICT's profile, on the fly: this benchmark's first prompts
-        run.evict = (run.evict[0], _profile_on_the_fly(run.target, run.tok, prompts, run.max_new_tokens, run.block,
-                                                       run.evict[0]))
+    for policy in run.policies:  # e.g. EVICT's profile, on the fly from the first benchmark's first prompts
+        policy.start_benchmark(prompts)
     bench_runs: dict[int, list[PromptRun]] = {}
     for index, config in enumerate(run.configs):
         bench_runs[index] = _evaluate_pass(run, config, name, prompts, gen_file, out)
@@ -452,7 +439,7 @@ def _evaluate_benchmark(run: _Run, spec: str, limit: int | None, gen_file, out: 
         out.quality_reference[name] = {"source": source, "seconds": ref_seconds}
         _add_quality(run.target, run.configs, bench_runs, reference, name, out.results, out.per_prompt,
                      out.pooled_quality, steps=s.steps, tree_spec=s.tree, policy=s.policy,
-                     greedy=s.temperature == 0, source=source, progress=run.progress)
+                     greedy=s.temperature == 0, source=source, progress=run.progress, policies=run.policies)
     elif cache is not None and (lossless := _lossless_run(run.configs, bench_runs)) is not None:
         save_reference(*cache, lossless[0])  # for a later budgeted run of the same prompts
 
@@ -463,7 +450,7 @@ def _evaluate_pass(run: _Run, config: RunConfig, name: str, prompts: list, gen_f
     s = run.settings
     E = run.target.num_experts
     engine = _engine(run.target, config, steps=s.steps, tree=s.tree, temperature=s.temperature, policy=s.policy,
-                     max_new_tokens=run.max_new_tokens, eos=run.eos, evict=run.evict,
+                     max_new_tokens=run.max_new_tokens, eos=run.eos, policies=run.policies,
                      record_experts=s.offload is not None)
     runs = _run_config(engine, run.tok, prompts, config, name, s.temperature, run.seed, gen_file, run.progress,
                        run.bytes_per_layer)
@@ -515,10 +502,7 @@ def _settings_record(run: _Run) -> dict:
         "tree": None if s.tree is None else vars(s.tree), "temperature": cfg.temperature,
         "budgets": [NO_BUDGET if b is None else b for b in s.budgets], "policy": cfg.policy,
         "vh_threshold": cfg.vh_threshold, "max_new_tokens": cfg.max_new_tokens, "limit": cfg.limit, "batch_size": 1,
-        "seed": cfg.seed, "tree_policy": cfg.tree_policy, "verify_cost": cfg.verify_cost,
-        "ecospec_lambda": cfg.ecospec_lambda if cfg.tree_policy == "ecospec" else None,
-        "affinity": cfg.affinity if cfg.tree_policy == "ecospec" else None,
-        "commitment": cfg.commitment if cfg.policy == "acceptmoe" else None,
+        "seed": cfg.seed, "tree_policy": cfg.tree_policy, **settings_record(cfg, s.policies),
         "cost_model": None if cfg.cost_model is None else run.cost.accelerator.name,
         "served_dtype": cfg.served_dtype if cfg.cost_model is not None else None,
         "offload": None if s.offload is None else list(s.offload.capacities),
@@ -536,11 +520,11 @@ def _result(run: _Run, out: _Collected, settings: dict, *, seconds: float) -> di
         "settings": settings,
         "cost_model": run.cost.describe() if run.settings.cost_model is not None else None,
         "offload": describe_offload(run.settings.offload) if run.settings.offload is not None else None,
-        "evict_profile": run.evict[1].to_dict() if run.evict is not None and run.evict[1] is not None else None,
+        **run_record(run.policies),  # each registered policy's keys (EVICT's evict_profile), None unless it ran
         "drafts": {
             **({AR_LABEL: {"path": None, "mode": "ar", "verification_head": False, "vh_threshold": None}}
                if any(c.draft.label == AR_LABEL for c in run.configs) else {}),
-            **{d.label: _draft_record(d, run.settings.tree) for d in run.entries},
+            **{d.label: _draft_record(d, run.settings.tree, run.policies) for d in run.entries},
         },
         "benchmarks": out.bench_names,
         "benchmark_sources": out.sources,
@@ -608,18 +592,18 @@ def _natural_reference(target, configs: list[RunConfig], bench_runs: dict[int, l
 def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[PromptRun]],
                  reference: list[PromptRun], bench: str, results: dict, per_prompt: dict, pooled_quality: dict, *,
                  steps: int, tree_spec: TreeSpec | None, policy: str, greedy: bool, source: str,
-                 progress: bool) -> None:
+                 progress: bool, policies: list[EvalPolicy] = ()) -> None:
     """Quality figures of every budgeted config on one benchmark (:mod:`vat.eval.quality`): ``quality`` in its
     metrics and in each ``per_prompt`` entry (the counts, summed over turns), pooled counts in ``pooled_quality``."""
     budgeted = [(i, c) for i, c in enumerate(configs) if c.budget is not None and i in bench_runs]
     window = {i: 1 + _drafted_per_round(c.draft, steps, tree_spec) for i, c in budgeted}  # the verification block
-    keys = sorted({_kl_key(c, window[i]) for i, c in budgeted}, key=repr)
+    keys = sorted({_kl_key(c, window[i], policies) for i, c in budgeted}, key=repr)
     # KL on the target's own text: one natural + one budgeted forward per (B, window), per prompt turn
     kl: list[list[dict]] = []
     for ref in tqdm(reference, desc=f"{bench} | KL to natural", disable=not progress, leave=False):
         kl.append([response_kl(target, p, g.token_ids, keys, policy) for p, g in zip(ref.prompt_ids, ref.turns)])
     for i, config in budgeted:
-        key = _kl_key(config, window[i])
+        key = _kl_key(config, window[i], policies)
         total = empty_counts()
         entries = per_prompt[config.draft.label][config.budget_label][bench]
         for run, ref, ref_kl, entry in zip(bench_runs[i], reference, kl, entries):
@@ -638,52 +622,16 @@ def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[Pr
         add_counts(pooled_quality.setdefault((config.draft.label, config.budget_label), empty_counts()), total)
 
 
-def _cost_and_evict(target, cost_model: str | None, served_dtype: str, tree_policy: str, verify_cost: str | None):
-    """The cost model (None without ``cost_model`` unless EVICT needs one: h200) and EVICT's ``(cost model, profile)``
-    (None unless ``tree_policy`` is ``evict``; the profile None = build it on the fly)."""
-    if cost_model is None and tree_policy != "evict":
-        return None, None
-    model = CostModel(get_accelerator(cost_model or "h200"), target_shape(target), served_bytes_of(served_dtype))
-    evict = None
-    if tree_policy == "evict":
-        table = load_verify_cost(verify_cost, len(target.moe_layer_ids)) if verify_cost else None
-        evict = (model, table)
-    return (model if cost_model is not None else None), evict
+def _cost_model(target, cost_model: str | None, served_dtype: str) -> CostModel | None:
+    """The ``--cost-model`` priced at the served dtype (None without one; a policy that needs one builds its own)."""
+    if cost_model is None:
+        return None
+    return CostModel(get_accelerator(cost_model), target_shape(target), served_bytes_of(served_dtype))
 
 
-EVICT_PROFILE_PROMPTS = 8  # prompts EVICT profiles on the fly without --verify-cost
-
-
-def _profile_on_the_fly(target, tok, prompts, max_new_tokens: int, block: int, model):
-    """EVICT's verification-cost profile from the target's own greedy answers to the first prompts (first turns)."""
-    ids = [render_chat(tok, [{"role": "user", "content": p.turns[0]}]) for p in prompts[:EVICT_PROFILE_PROMPTS]]
-    widths = sorted({w for w in DEFAULT_WIDTHS if w < block} | {block})
-    texts = own_texts(target, ids, max_new_tokens)
-    return build_verify_cost(target, texts, widths, cost=model, measure=False,
-                             source=f"on the fly: the target's greedy answers to {len(ids)} prompts")
-
-
-def _kl_key(config: RunConfig, window: int) -> tuple:
-    """What a budgeted config's KL to natural depends on: (B, window), plus AcceptMoE's p̂ (per draft)."""
-    if config.draft.acceptmoe is None:
-        return (config.budget, window)
-    return (config.budget, window, config.draft.acceptmoe.commitment)
-
-
-def _attach_policies(drafts: list[DraftEntry], target, tree_spec, tree_policy: str, lam: float,
-                     affinity: str | None, policy: str, commitment: str | None) -> None:
-    """Give each trained draft its EcoSpec selection (tree drafts) and its AcceptMoE commitment weighting."""
-    for d in drafts:
-        if tree_policy == "ecospec" and tree_spec is not None and not d.is_block:
-            source = affinity or d.path
-            if source is None or (affinity is None and not os.path.exists(os.path.join(source, AFFINITY_FILE))):
-                raise VatError(f"--tree-policy ecospec: draft {d.label} has no {AFFINITY_FILE}; give the expert "
-                               "predictor with --affinity FILE (`vat prep affinity` output)")
-            t2d = getattr(d.model, "t2d", None)
-            d.ecospec = EcoSpec(ExpertPredictor.load(source, target.vocab_size, t2d), lam=lam)
-        if policy == "acceptmoe":
-            p_hat = load_commitment(commitment, d.path) if commitment is not None else ()
-            d.acceptmoe = AcceptMoESpec(commitment=p_hat)
+def _kl_key(config: RunConfig, window: int, policies: list[EvalPolicy]) -> tuple:
+    """What a budgeted config's KL to natural depends on: (B, window), plus what the policies add (AcceptMoE's p̂)."""
+    return (config.budget, window) + tuple(x for p in policies for x in p.kl_key(config.draft))
 
 
 def _drafted_per_round(d: DraftEntry, steps: int, tree_spec: TreeSpec | None) -> int:
@@ -693,13 +641,12 @@ def _drafted_per_round(d: DraftEntry, steps: int, tree_spec: TreeSpec | None) ->
     return steps if tree_spec is None or d.is_free else tree_spec.total_tokens
 
 
-def _draft_record(d: DraftEntry, tree_spec: TreeSpec | None) -> dict:
-    """The eval.json ``drafts`` entry of one draft (with the EcoSpec predictor and AcceptMoE p̂ it ran with)."""
+def _draft_record(d: DraftEntry, tree_spec: TreeSpec | None, policies: list[EvalPolicy]) -> dict:
+    """The eval.json ``drafts`` entry of one draft (with what the policies record of it: EcoSpec's predictor,
+    AcceptMoE's p̂)."""
     record = _mode_record(d, tree_spec)
-    if d.ecospec is not None:
-        record["ecospec_affinity"] = d.ecospec.predictor.source
-    if d.acceptmoe is not None:  # empty = the prior 0.8^d
-        record["acceptmoe_commitment"] = list(d.acceptmoe.commitment)
+    for policy in policies:
+        record.update(policy.draft_record(d))
     return record
 
 
@@ -724,10 +671,11 @@ def _unique(name: str, taken: list[str]) -> str:
 
 
 def _default_budgets(budget: str | None, policy: str) -> str:
-    """``--budget`` as given; unset = ``auto`` under ``--policy acceptmoe`` (it needs no B), else ``none``."""
+    """``--budget`` as given; unset = the budget policy's default (``auto`` under ``--policy acceptmoe``: it needs no
+    B), else ``none``."""
     if budget is not None:
         return budget
-    return SELF_SIZED if policy == "acceptmoe" else NO_BUDGET
+    return default_budget(policy) or NO_BUDGET
 
 
 # `vat eval` flags whose name differs from the EvalConfig field they set (the rest are the field's name)
