@@ -196,7 +196,7 @@ class _PolicyFlag(argparse.Action):
     the choices of the policy registry (vat.eval.policies.registry) in its help, read only when the help is printed:
     the registry imports torch, which `vat --help` and the other commands do not need."""
 
-    def __init__(self, option_strings, dest, setting: str, help: str, **kwargs):  # noqa: A002 (argparse's name)
+    def __init__(self, option_strings, dest, setting: str, help: str, **kwargs):
         self.setting = setting
         self.template = help  # {choices}, {registered}: filled from the registry
         super().__init__(option_strings, dest, **kwargs)

@@ -2,7 +2,9 @@
 
 `vat eval`'s flags default to its fields, :func:`vat.eval.run.run_eval` takes one (or its fields as keywords), and a
 bench's ``eval`` section and each method's ``eval`` overrides are checked with :func:`check_eval_section` against the
-same choices. :func:`check_eval_config` rejects a bad setting in one line before anything loads.
+same choices. :func:`check_eval_config` rejects a bad setting in one line before anything loads. The choices of
+``tree_policy`` are the eval policy registry's (:mod:`vat.eval.policies.registry`), those of ``policy`` the budget rules
+of :data:`vat.target.budget.POLICIES`; a registered policy checks its own settings.
 """
 
 from __future__ import annotations

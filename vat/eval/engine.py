@@ -64,7 +64,7 @@ class RoundStats:
         committed: tokens committed this round and kept (a + 1, fewer when EOS / max-new-tokens cut the round).
         union: experts executed per MoE layer in the verification forward (sentinel slots excluded), length L'.
         drafted_depth: depth the draft ran to (a tree's levels drafted, whatever its selection kept; a chain's length
-            before EVICT cut it; -1 = ``depth``); the cost model prices the draft forwards that really ran.
+            before a policy (EVICT) cut it; -1 = ``depth``); the cost model prices the draft forwards that really ran.
         expert_sets: with ``record_experts``: the experts the verification forward executed, per MoE layer (sorted
             ids, sentinel slots excluded; ``len(expert_sets[l]) == union[l]``); None otherwise.
         input_experts: with ``record_experts``: (a + 1, L', k) executed ids at the block positions whose tokens were
