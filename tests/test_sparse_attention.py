@@ -61,6 +61,25 @@ def test_blockwise_attention_equals_dense_sdpa_outputs_and_gradients(R, P, with_
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [0.01, 8.0, 40.0])
+def test_blockwise_attention_is_exact_at_any_score_scale(scale):
+    """The shared part's log-sum-exp is read out of SDPA through an extra key: exact whether the private keys
+    dominate, are negligible, or scores run into the hundreds (where e^score overflows fp32)."""
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, D, S, N = 1, 4, 2, 16, 12, 6
+    q = (torch.randn(B, H, N, D, generator=g) * scale).requires_grad_()
+    ks, vs = torch.randn(2, B, Hkv, S, D, generator=g)
+    kp, vp = torch.randn(2, B, Hkv, N, 3, D, generator=g)
+    mask = torch.ones(1, 1, N, S, dtype=torch.bool).tril(diagonal=S - N)
+    out = attention_with_private_keys(q, ks, vs, mask, kp, vp)
+    ref = dense_reference(q, ks, vs, mask, kp, vp, None)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    grad_out = torch.randn(out.shape, generator=g)
+    (a,), (b,) = torch.autograd.grad(out, (q,), grad_out), torch.autograd.grad(ref, (q,), grad_out)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
 def test_blockwise_attention_in_bf16_stays_close_to_fp32():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 2, 6, 16, generator=g)
@@ -109,7 +128,7 @@ def test_eagle3_ttt_blockwise_equals_dense_outputs_and_gradients(flags):
     blockwise = _grads(model, runs["blockwise"], weights)
     assert any(g.abs().sum() > 0 for g in dense)
     for a, b in zip(blockwise, dense):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
 
 
 def test_dflash_blockwise_equals_dense_outputs_and_gradients():
@@ -138,7 +157,7 @@ def test_dflash_blockwise_equals_dense_outputs_and_gradients():
     blockwise = _grads(draft, runs["blockwise"], weights)
     assert any(x.abs().sum() > 0 for x in dense)
     for a, b in zip(blockwise, dense):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
 
 
 def test_flex_forward_equals_dense_for_both_drafters():
