@@ -332,3 +332,21 @@ def test_the_recipe_for_a_target_larger_than_one_gpu_trains_from_a_capture():
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "qwen3_235b_a22b",
                            "eagle3_vat.yaml")) as f:
         assert "33,524 bytes/token" in f.read()
+
+
+def test_capture_takes_the_embedded_targets_data_names(train_workspace, captured, tmp_path, monkeypatch):
+    """`--data tiny-regen` resolves as a recipe's data.train does (target name, --max-length), so a capture reads the
+    rows a run trains on; the build itself is stubbed with the workspace's prepared data (no training in unit tests)."""
+    import vat.train.defaults as defaults
+
+    calls = []
+    monkeypatch.setattr(defaults, "resolve_train_data",
+                        lambda name, target, max_length: calls.append((name, target, max_length))
+                        or train_workspace["data"])
+    out = str(tmp_path / "by_name")
+    assert vat_main(["prep", "capture", "--target", train_workspace["target"], "--data", "tiny-regen",
+                     "--max-length", "512", "--output", out, "--shard-tokens", str(SHARD_TOKENS), "--no-progress"]) == 0
+    assert calls == [("tiny-regen", train_workspace["target"], 512)]
+    manifest, whole = read_manifest(out), read_manifest(captured)
+    assert manifest["data"]["path"] == os.path.abspath(train_workspace["data"])
+    assert manifest["rows"] == [r for r, n in zip(whole["rows"], whole["lengths"]) if n <= 512]

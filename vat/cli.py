@@ -16,6 +16,17 @@ from vat.errors import VatError
 BENCHMARK_HELP = "Spec-Bench/MT-Bench question file (FastChat jsonl), a known name (spec_bench, mt_bench, humaneval, gsm8k, alpaca) or a datasets hub name"
 
 
+def _capture(args: argparse.Namespace):
+    """`vat prep capture`: ``--data tiny`` / ``tiny-regen`` / ``tiny-regen-t1`` resolve (and build once) as a recipe's
+    ``data.train`` does, at ``--max-length`` (else the recipes' default), so a capture reads the rows a run trains on."""
+    from vat.config import DataConfig
+    from vat.train.defaults import TINY_DATA_NAMES, resolve_train_data
+
+    if args.data in TINY_DATA_NAMES:
+        args.data = resolve_train_data(args.data, args.target, args.max_length or DataConfig.max_length)
+    return _dispatch("vat.data_prep.capture:main")(args)
+
+
 def _dispatch(target: str):
     """Return a handler that imports ``module:function`` lazily and calls it with the parsed args."""
 
@@ -83,7 +94,8 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p = steps.add_parser("capture", help="run the target once over a prepared dataset and store its features "
                          "(aux + last hidden states, routing) for `data.capture` training")
     p.add_argument("--target", required=True, help="target model path (or tiny / tiny-quick)")
-    p.add_argument("--data", required=True, help="prepared dataset directory (from `vat prep chat`)")
+    p.add_argument("--data", required=True, help="prepared dataset directory (from `vat prep chat`), or tiny / "
+                   "tiny-regen / tiny-regen-t1: the embedded target's data, as data.train names it")
     p.add_argument("--output", required=True, help="capture directory; a rerun continues after its last complete shard")
     p.add_argument("--aux-layer-ids", type=int, nargs="+", default=None,
                    help="0-indexed layer outputs the draft reads (default EAGLE-3's [1, L//2-1, L-4])")
@@ -100,7 +112,7 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--part", default="0/1", help="I/N: write only shards I, I+N, ... (N processes fill one capture, "
                    "e.g. one per node; complete once every part ran)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_dispatch("vat.data_prep.capture:main"))
+    p.set_defaults(func=_capture)
 
     p = steps.add_parser("tiny-target", help="build the embedded tiny MoE target (tokenizer + OLMoE model) on ShareGPT")
     p.add_argument("--size", default="full", choices=["full", "quick", "bench"],
