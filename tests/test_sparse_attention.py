@@ -107,6 +107,38 @@ def _grads(model, out, weights):
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True))]
 
 
+def assert_same_outputs_and_gradients(model, got, want, weights, real=None, grad_atol=5e-5):
+    """Two runs of one model's training forward: equal outputs (at ``real`` rows when given) and parameter gradients
+    of the same weighted loss (which must not all vanish)."""
+    for name in ("logits", "hidden", "vh_logits"):
+        if getattr(want, name) is not None:
+            a, b = getattr(got, name), getattr(want, name)
+            torch.testing.assert_close(a if real is None else a[real], b if real is None else b[real], atol=1e-5,
+                                       rtol=1e-5)
+    expected = _grads(model, want, weights)
+    assert any(g.abs().sum() > 0 for g in expected)
+    for a, b in zip(_grads(model, got, weights), expected):
+        torch.testing.assert_close(a, b, atol=grad_atol, rtol=1e-4)
+
+
+def small_dflash(device="cpu"):
+    """A random 2-layer DFlash draft (GQA 4 / 2 heads, block 4) and a batch: padded rows, overlapping and padding
+    blocks, a block whose visible context starts with left padding."""
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=2, vocab_size=64, num_target_layers=4, block_size=4, mask_token_id=5,
+                       verification_head=True, rope_theta=10000.0)
+    draft = DFlashDrafter(cfg, torch.randn(64, 32), torch.randn(64, 32) * 0.2).to(device)
+    g = torch.Generator().manual_seed(2)
+    aux = torch.randn(2, 18, len(cfg.target_layer_ids) * 32, generator=g)
+    ids = torch.randint(6, 64, (2, 18), generator=g)
+    attention = torch.ones(2, 18, dtype=torch.long)
+    attention[1, 15:] = 0
+    attention[0, :2] = 0  # left padding: padded context keys before an anchor are never seen
+    anchors = torch.tensor([[2, 4, 5, 12], [3, 9, -1, -1]])
+    return draft, [t.to(device) for t in (aux, ids, anchors, attention)]
+
+
 @pytest.mark.parametrize(
     "flags",
     [dict(verification_head=True), dict(num_key_value_heads=4, sliding_window=4, norm_output=True)],
@@ -119,45 +151,16 @@ def test_eagle3_ttt_blockwise_equals_dense_outputs_and_gradients(flags):
     mask[1, 8:] = 0  # right padding
     mask[2, :3] = 0  # left padding
     runs = {impl: model.ttt_forward(aux, ids, mask, attention=impl) for impl in ("dense", "blockwise")}
-    for name in ("logits", "hidden", "vh_logits"):
-        if getattr(runs["dense"], name) is not None:
-            torch.testing.assert_close(getattr(runs["blockwise"], name), getattr(runs["dense"], name), atol=1e-5,
-                                       rtol=1e-5)
     weights = torch.randn(runs["dense"].logits.shape, generator=torch.Generator().manual_seed(3))
-    dense = _grads(model, runs["dense"], weights)
-    blockwise = _grads(model, runs["blockwise"], weights)
-    assert any(g.abs().sum() > 0 for g in dense)
-    for a, b in zip(blockwise, dense):
-        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+    assert_same_outputs_and_gradients(model, runs["blockwise"], runs["dense"], weights)
 
 
 def test_dflash_blockwise_equals_dense_outputs_and_gradients():
-    torch.manual_seed(0)
-    hidden, vocab = 32, 64
-    cfg = DFlashConfig(
-        hidden_size=hidden, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-        vocab_size=vocab, num_target_layers=4, block_size=4, mask_token_id=5, verification_head=True,
-        rope_theta=10000.0,
-    )
-    draft = DFlashDrafter(cfg, torch.randn(vocab, hidden), torch.randn(vocab, hidden) * 0.2)
-    g = torch.Generator().manual_seed(2)
-    aux = torch.randn(2, 18, len(cfg.target_layer_ids) * hidden, generator=g)
-    ids = torch.randint(6, vocab, (2, 18), generator=g)
-    attention = torch.ones(2, 18, dtype=torch.long)
-    attention[1, 15:] = 0
-    attention[0, :2] = 0  # left padding: padded context keys before an anchor are never seen
-    anchors = torch.tensor([[2, 4, 5, 12], [3, 9, -1, -1]])  # overlapping blocks and padding blocks
+    draft, (aux, ids, anchors, attention) = small_dflash()
     runs = {impl: draft(aux, ids, anchors, attention, attention=impl) for impl in ("dense", "blockwise")}
     real = anchors >= 0
-    for name in ("logits", "hidden", "vh_logits"):
-        torch.testing.assert_close(getattr(runs["blockwise"], name)[real], getattr(runs["dense"], name)[real],
-                                   atol=1e-5, rtol=1e-5)
-    weights = torch.randn(runs["dense"].logits.shape, generator=g) * real[:, :, None, None]
-    dense = _grads(draft, runs["dense"], weights)
-    blockwise = _grads(draft, runs["blockwise"], weights)
-    assert any(x.abs().sum() > 0 for x in dense)
-    for a, b in zip(blockwise, dense):
-        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+    weights = torch.randn(runs["dense"].logits.shape, generator=torch.Generator().manual_seed(4)) * real[:, :, None, None]
+    assert_same_outputs_and_gradients(draft, runs["blockwise"], runs["dense"], weights, real)
 
 
 def test_flex_forward_equals_dense_for_both_drafters():
@@ -175,18 +178,7 @@ def test_flex_forward_equals_dense_for_both_drafters():
     torch.testing.assert_close(flex.logits, dense.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(flex.vh_logits, dense.vh_logits, atol=1e-5, rtol=1e-5)
 
-    torch.manual_seed(0)
-    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                       num_hidden_layers=2, vocab_size=64, num_target_layers=4, block_size=4, mask_token_id=5,
-                       rope_theta=10000.0)
-    draft = DFlashDrafter(cfg, torch.randn(64, 32), torch.randn(64, 32) * 0.2)
-    g = torch.Generator().manual_seed(2)
-    aux = torch.randn(2, 18, len(cfg.target_layer_ids) * 32, generator=g)
-    ids = torch.randint(6, 64, (2, 18), generator=g)
-    attention = torch.ones(2, 18, dtype=torch.long)
-    attention[1, 15:] = 0
-    attention[0, :2] = 0  # left padding: padded context keys before an anchor are never seen
-    anchors = torch.tensor([[2, 4, 5, 12], [3, 9, -1, -1]])
+    draft, (aux, ids, anchors, attention) = small_dflash()
     with torch.no_grad():
         dense = draft(aux, ids, anchors, attention, attention="dense")
         flex = draft(aux, ids, anchors, attention, attention="flex")
