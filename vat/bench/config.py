@@ -37,7 +37,7 @@ def _names_free_draft(name: str) -> bool:
 class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's eval.* value); part of the cell's key
     steps: Optional[int] = None  # chain length K
     tree: Optional[str] = None  # dynamic tree "top_k,depth,total_tokens" (vat eval --tree); "chain" = no tree
-    tree_policy: Optional[str] = None  # a selection policy of vat.eval.policies (its registry lists them): which drafted tokens are verified
+    tree_policy: Optional[str] = None  # which drafted tokens are verified: a selection policy of vat.eval.policies
     verify_cost: Optional[str] = None  # EVICT's profile (vat profile --verify-widths); null = profiled on the fly
     budgets: Optional[list[Any]] = None  # expert budgets B of this method's evaluation (ints, null, auto)
     policy: Optional[str] = None  # budget policy (vat eval --policy)
