@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -142,16 +143,20 @@ class BlockAttention:
     def attend(self, q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], k_block: torch.Tensor,
                v_block: torch.Tensor) -> torch.Tensor:
         """(B, nh, Q, hd) queries over [context ; own block] -> (B, nh, Q, hd)."""
-        T = self.attention_mask.shape[1]
         if self.impl == "flex":
             keys = torch.cat([context_kv[0], k_block], dim=2)  # (B, nkv, T + Q, hd)
             values = torch.cat([context_kv[1], v_block], dim=2)
             return flex_block_attention(q, keys, values, self.sees_until, self.attention_mask, self.block_size)
         B, nkv, Q, hd = k_block.shape
-        sees = (torch.arange(T, device=q.device) < self.sees_until[:, :, None]) & self.attention_mask[:, None, :]
-        sees = sees.repeat_interleave(self.block_size, dim=1)[:, None]  # (B, 1, Q, T)
         blocks = (B, nkv, Q // self.block_size, self.block_size, hd)
-        return attention_with_private_keys(q, *context_kv, sees, k_block.view(blocks), v_block.view(blocks))
+        return attention_with_private_keys(q, *context_kv, self.sees, k_block.view(blocks), v_block.view(blocks))
+
+    @cached_property
+    def sees(self) -> torch.Tensor:
+        """(B, 1, Q, T) bool: the context keys each query sees (built once, read by every layer)."""
+        context = torch.arange(self.attention_mask.shape[1], device=self.sees_until.device)  # (T,)
+        sees = (context < self.sees_until[:, :, None]) & self.attention_mask[:, None, :]  # (B, N, T)
+        return sees.repeat_interleave(self.block_size, dim=1)[:, None]
 
 
 @dataclass
