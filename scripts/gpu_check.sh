@@ -55,9 +55,10 @@ log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
 # ---- environment: local wheels (optional), vat from this checkout ------------------------------------------------
 if [ -n "$WHEELS" ]; then
   log "installing the wheels in $WHEELS (--no-index)"
-  # the top-level wheels (scripts/gpu_wheels.sh: transformers), their dependencies from DIR only where the image's
+  # the top-level wheels (scripts/gpu_wheels.sh: transformers, omegaconf, datasets), their dependencies from DIR only where the image's
   # own versions do not satisfy them (DIR holds candidates for several Pythons; pip picks the matching one)
-  mapfile -t TOP < <(ls "$WHEELS"/transformers-*.whl 2>/dev/null || ls "$WHEELS"/*.whl)
+  mapfile -t TOP < <(ls "$WHEELS"/transformers-*.whl "$WHEELS"/omegaconf-*.whl "$WHEELS"/datasets-*.whl 2>/dev/null \
+    || ls "$WHEELS"/*.whl)
   install() { "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" "$@" "${TOP[@]}"; }
   if ! install && ! install --user; then
     log "system and --user installs failed: installing into $RESULTS/.site (first on PYTHONPATH)"
