@@ -215,7 +215,9 @@ def test_flex_equals_dense_in_outputs_and_gradients_on_cuda():
     cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                        num_hidden_layers=2, vocab_size=128, num_target_layers=4, block_size=8, mask_token_id=5,
                        rope_theta=10000.0)
-    draft = DFlashDrafter(cfg, torch.randn(128, 64), torch.randn(128, 64) * 0.2).to(dev).train()
+    # the frozen embedding and LM head are unregistered (`.to` leaves them): build them on the device, as the trainer
+    # attaches the target's own
+    draft = DFlashDrafter(cfg, torch.randn(128, 64, device=dev), torch.randn(128, 64, device=dev) * 0.2).to(dev).train()
     aux = torch.randn(2, 320, len(cfg.target_layer_ids) * 64, device=dev)
     ids = torch.randint(6, 128, (2, 320), device=dev)
     anchors = torch.sort(torch.randperm(300, device=dev)[:40] + 1).values.expand(2, 40).contiguous()

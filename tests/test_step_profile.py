@@ -159,7 +159,7 @@ def test_real_recipes_are_listed_and_read_at_their_real_shape():
     assert facts["budget"] and facts["union_trained"] and facts["union_anchors_real"] == 1024
     assert facts["moe_layers_real"] == facts["tracked_layers_real"] == 16
     dflash = sp.recipe_facts(os.path.join(REPO, "recipes", "qwen3_30b_a3b", "dflash_vat.yaml"))
-    assert (dflash["rows_real"], dflash["length_real"], dflash["anchors_real"]) == (2, 3072, 1024)
+    assert (dflash["rows_real"], dflash["length_real"], dflash["anchors_real"]) == (1, 3072, 512)  # one 3,072-token row per micro-batch, 512 anchors each
     assert dflash["tracked_layers_real"] == 24  # affinity_layer_stride 2 over 48 layers
     assert sp.cell_rows(facts, [64, 128, 256]) == 4  # 8 rows of 8 would be shorter than 2 x (K + 1) = 16
     assert sp.cell_rows(facts, [256, 512, 1024]) == 8
