@@ -20,6 +20,7 @@ from vat.eval.policies import EvalPolicy
 from vat.eval.policies.registry import EVAL_POLICIES, policy_help
 from vat.eval.quality import response_kl
 from vat.eval.run import run_eval
+from vat.target.budget import AcceptMoESpec, BudgetSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,9 +61,10 @@ def test_acceptmoe_runs_are_keyed_auto_with_quality(quick, spec_bench_file, tmp_
     per = ev["per_prompt"]["d"]["auto"][bench]
     assert sum(p["quality"]["kl_count"] for p in per) == q["kl_tokens"]
     ids = rows[0]["token_ids"][0]
-    keys = [("auto", 4, (0.6, 0.4, 0.3)), (target.num_experts, 4, (0.6, 0.4, 0.3))]
-    kl = response_kl(target, [], ids, keys, "acceptmoe")
-    assert kl[keys[0]][1] == len(ids) and kl[keys[1]] == (0.0, len(ids))  # |S| = E (AcceptMoE-fix) is natural
+    weighting = AcceptMoESpec(commitment=(0.6, 0.4, 0.3))
+    specs = {b: BudgetSpec(B=b, policy="acceptmoe", window=4, acceptmoe=weighting) for b in ("auto", target.num_experts)}
+    kl = response_kl(target, [], ids, specs)
+    assert kl["auto"][1] == len(ids) and kl[target.num_experts] == (0.0, len(ids))  # |S| = E (AcceptMoE-fix) is natural
 
 
 def test_ecospec_eval_decodes_the_ar_output(quick, spec_bench_file, tmp_path):

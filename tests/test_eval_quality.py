@@ -17,6 +17,7 @@ from vat.eval.quality import (
     stepwise_agreement,
     summarize_quality,
 )
+from vat.target import BudgetSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,13 +60,14 @@ def test_response_kl_is_the_profile_kl(quick):
     _, target = quick
     ids = torch.randint(10, target.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     prof = profile_target(target, [ids], window=5, budget=2, progress=False)
-    got = response_kl(target, [], ids, [(2, 5), (target.num_experts, 5)], "substitute")
+    got = response_kl(target, [], ids, {(b, 5): BudgetSpec(B=b, policy="substitute", window=5)
+                                        for b in (2, target.num_experts)})
     kl_sum, n = got[(2, 5)]
     assert n == 40 and kl_sum / n == pytest.approx(prof["kl_to_unbudgeted"], rel=1e-5) and kl_sum > 0
     assert got[(target.num_experts, 5)] == (0.0, 40)
     # a natural prompt in front: its positions are not counted and not budgeted
     prompt, resp = ids[:25], ids[25:]
-    kl_sum2, n2 = response_kl(target, prompt, resp, [(2, 5)], "substitute")[(2, 5)]
+    kl_sum2, n2 = response_kl(target, prompt, resp, {(2, 5): BudgetSpec(B=2, policy="substitute", window=5)})[(2, 5)]
     assert n2 == 15 and kl_sum2 > 0
 
 

@@ -22,12 +22,12 @@ None; the KL needs no sampling and is always given. Every figure is a ratio of g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
 from vat.target import BudgetSpec
-from vat.target.budget import AcceptMoESpec
 
 COUNT_KEYS = ("matches", "compared", "first_divergence", "turns", "identical", "kl_sum", "kl_count",
               "step_matches", "step_compared", "step_turns")
@@ -130,37 +130,34 @@ def stepwise_agreement(target, prompt_ids: Sequence[int], output_ids: Sequence[i
 
 
 @torch.no_grad()
-def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int], budgets: Sequence[tuple],
-                policy: str) -> dict[tuple, tuple[float, int]]:
+def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                specs: Mapping[Hashable, BudgetSpec]) -> dict[Hashable, tuple[float, int]]:
     """KL(budgeted ‖ natural) of the next-token distribution over the response positions of the target's own text.
 
-    One natural forward over ``prompt + response`` and one budgeted forward per ``(B, window)``: positions before the
-    response are not budgeted (the prompt's prefill, as served); the response is tiled into windows of ``window``
+    One natural forward over ``prompt + response`` and one budgeted forward per spec: positions before the response
+    are not budgeted (the prompt's prefill, as served); the response is tiled into windows of ``spec.window``
     positions from its first position (None = the whole response is one window).
 
     Args:
         target: a :class:`~vat.target.FrozenTarget`.
         prompt_ids: the rendered prompt of the natural conversation's turn.
         response_ids: the natural greedy output of that turn.
-        budgets: ``(B, window)`` pairs; under policy ``acceptmoe`` B may be ``"auto"`` and a third entry gives the
-            commitment p̂ (:class:`~vat.target.budget.AcceptMoESpec`; each window's depths are its positions from the
-            window's first, as a chain's).
-        policy: budget policy.
+        specs: ``{key: BudgetSpec}``: B, policy, window and whatever the eval policies set on the spec (the same
+            ``budget_spec`` hooks the verification forwards get, e.g. AcceptMoE's commitment, whose depths are each
+            window's positions from its first, as a chain's); the windows' offset and start are set here.
 
     Returns:
-        ``{key: (Σ KL over response positions, number of positions)}`` for every key of ``budgets``.
+        ``{key: (Σ KL over response positions, number of positions)}`` for every key of ``specs``.
     """
     start = len(prompt_ids)
     n = len(response_ids)
-    if n == 0 or not budgets:
-        return {key: (0.0, 0) for key in budgets}
+    if n == 0 or not specs:
+        return {key: (0.0, 0) for key in specs}
     input_ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=target.device)  # (1, P + n)
     natural = target.forward(input_ids, output_aux=False, capture_routing=False).logits[0, start:]  # (n, V)
     out = {}
-    for key in budgets:
-        B, window = key[0], key[1]
-        accept = AcceptMoESpec(commitment=key[2] if len(key) > 2 else ()) if policy == "acceptmoe" else None
-        spec = BudgetSpec(B=B, policy=policy, window=window, offset=start, start_position=start, acceptmoe=accept)
-        budgeted = target.forward(input_ids, budget=spec, output_aux=False, capture_routing=False).logits[0, start:]
+    for key, spec in specs.items():
+        placed = replace(spec, offset=start, start_position=start)
+        budgeted = target.forward(input_ids, budget=placed, output_aux=False, capture_routing=False).logits[0, start:]
         out[key] = (float(kl_divergence(budgeted, natural).double().sum()), n)  # (n,) summed
     return out

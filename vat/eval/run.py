@@ -57,7 +57,7 @@ from vat.eval.report import markdown_summary, write_outputs
 from vat.eval.suffix import SuffixSpec
 from vat.eval.tree import TreeSpec
 from vat.export.checkpoint import load_draft
-from vat.target import FrozenTarget, load_target
+from vat.target import BudgetSpec, FrozenTarget, load_target
 
 AR_LABEL = "none"
 EVAL_FORMAT_VERSION = 1
@@ -597,11 +597,11 @@ def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[Pr
     metrics and in each ``per_prompt`` entry (the counts, summed over turns), pooled counts in ``pooled_quality``."""
     budgeted = [(i, c) for i, c in enumerate(configs) if c.budget is not None and i in bench_runs]
     window = {i: 1 + _drafted_per_round(c.draft, steps, tree_spec) for i, c in budgeted}  # the verification block
-    keys = sorted({_kl_key(c, window[i], policies) for i, c in budgeted}, key=repr)
-    # KL on the target's own text: one natural + one budgeted forward per (B, window), per prompt turn
+    specs = {_kl_key(c, window[i], policies): _kl_spec(c, window[i], policy, policies) for i, c in budgeted}
+    # KL on the target's own text: one natural + one budgeted forward per distinct spec, per prompt turn
     kl: list[list[dict]] = []
     for ref in tqdm(reference, desc=f"{bench} | KL to natural", disable=not progress, leave=False):
-        kl.append([response_kl(target, p, g.token_ids, keys, policy) for p, g in zip(ref.prompt_ids, ref.turns)])
+        kl.append([response_kl(target, p, g.token_ids, specs) for p, g in zip(ref.prompt_ids, ref.turns)])
     for i, config in budgeted:
         key = _kl_key(config, window[i], policies)
         total = empty_counts()
@@ -632,6 +632,16 @@ def _cost_model(target, cost_model: str | None, served_dtype: str) -> CostModel 
 def _kl_key(config: RunConfig, window: int, policies: list[EvalPolicy]) -> tuple:
     """What a budgeted config's KL to natural depends on: (B, window), plus what the policies add (AcceptMoE's p̂)."""
     return (config.budget, window) + tuple(x for p in policies for x in p.kl_key(config.draft))
+
+
+def _kl_spec(config: RunConfig, window: int, policy: str, policies: list[EvalPolicy]) -> BudgetSpec:
+    """The budget of a budgeted config's KL forward: its verification forwards' spec, through the same policy hooks."""
+    spec = BudgetSpec(B=config.budget, policy=policy, window=window)
+    for p in policies:
+        hook = p.for_pass(config.draft, config.budget)
+        if hook is not None:
+            spec = hook.budget_spec(spec)
+    return spec
 
 
 def _drafted_per_round(d: DraftEntry, steps: int, tree_spec: TreeSpec | None) -> int:
