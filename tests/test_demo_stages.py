@@ -30,3 +30,15 @@ def test_plans_are_the_same_pipeline_smaller():
     # both on the quick target (its build is ~1.5 min, the full one's 11.5-24 min), the full demo on more of its answers
     assert quick.target == full.target == "tiny-quick" and quick.regen_conversations < full.regen_conversations
     assert set(quick.seconds) == set(full.seconds) == {"target", "data", "train", "eval"}
+
+
+def test_first_estimate_uses_the_probe_pace_until_a_stage_did_real_work(capsys):
+    stages = Stages(["target", "data", "train"], [100.0, 10.0, 10.0], probe_pace=2.5)
+    assert stages.pace(0.0) == 2.5  # nothing finished: the probe's pace
+    stages.marks = [0.0, 1.0]  # the target from the cache: still the probe's
+    assert stages.pace(1.5) == 2.5
+    assert stages.pace(11.0) == 1.0  # data took its expected 10 s: the measured pace replaces the probe's
+    stages.marks, stages.start = [], time.time()
+    stages.next()
+    assert "about 5.0 min left" in capsys.readouterr().out  # 2.5 x 120 s
+

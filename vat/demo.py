@@ -26,6 +26,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+import torch
 from transformers import AutoConfig
 
 from vat.config import load_config, to_yaml
@@ -84,26 +85,53 @@ def plan_for(quick: bool, dflash: bool = False) -> DemoPlan:
                     seconds={"target": 89, "data": 43, "train": 250, "eval": 140 if dflash else 96})
 
 
+# seconds of :func:`probe_seconds` on the machine the stage times were measured on (2 idle cores, 2 torch threads)
+PROBE_REFERENCE_SECONDS = 0.53  # measured 0.51-0.61 (best of 3, five runs) on 2 idle cores, 2026-12-04
+
+
+def probe_seconds(repeats: int = 3) -> float:
+    """Seconds of a fixed training-like workload (a 2-layer MLP at the tiny drafts' width: forward, backward, AdamW,
+    on 2,048 rows), the best of ``repeats``: this machine's speed at the demo's kind of work, in about a second."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 192, generator=gen)
+    w1 = torch.randn(192, 768, generator=gen).requires_grad_()
+    w2 = torch.randn(768, 192, generator=gen).requires_grad_()
+    opt = torch.optim.AdamW([w1, w2], lr=1e-4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(20):
+            loss = torch.nn.functional.silu(x @ w1).matmul(w2).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 class Stages:
     """Prints numbered stage headers with elapsed time and an estimate of what is left.
 
-    ``expected`` holds each stage's time on 2 idle cores (s). The estimate scales what is left by how fast the
-    finished stages that did real work went (a stage served from the cache in under a tenth of its expected time
-    says nothing about the machine), so a busier or faster machine corrects it after its first real stage.
+    ``expected`` holds each stage's time on 2 idle cores (s). The estimate scales what is left by this machine's
+    pace: before any stage has done real work, the pace of a one-second probe (:func:`probe_seconds` against
+    :data:`PROBE_REFERENCE_SECONDS`); then how fast the finished stages that did real work went (a stage served from
+    the cache in under a tenth of its expected time says nothing about the machine), so the first estimate already
+    reflects a slower or busier machine and each real stage refines it.
     """
 
-    def __init__(self, names: list[str], expected: list[float]):
-        self.names, self.expected = names, expected
+    def __init__(self, names: list[str], expected: list[float], probe_pace: float = 1.0):
+        self.names, self.expected, self.probe_pace = names, expected, probe_pace
         self.start = time.time()
         self.marks: list[float] = []  # start time of each stage begun
         self.index = 0
 
     def pace(self, now: float) -> float:
-        """Actual / expected time over the finished stages that were not served from the cache (1 without any)."""
+        """Actual / expected time over the finished stages that were not served from the cache (the probe's pace
+        without any)."""
         ends = self.marks[1:] + [now]
         worked = [(end - begin, exp) for begin, end, exp in zip(self.marks, ends, self.expected)
                   if end - begin > 0.1 * exp]
-        return sum(a for a, _ in worked) / sum(e for _, e in worked) if worked else 1.0
+        return sum(a for a, _ in worked) / sum(e for _, e in worked) if worked else self.probe_pace
 
     def next(self) -> None:
         now = time.time()
@@ -157,7 +185,10 @@ def main(args: argparse.Namespace) -> int:
     built = os.path.exists(os.path.join(tiny_target_dir(tiny_size(plan.target)), "model.safetensors"))
     sec = plan.seconds
     expected = [1 if built else sec["target"], sec["data"], 1] + train_seconds + [sec["eval"], 1]
-    stages = Stages(names, expected)
+    probe = probe_seconds()
+    stages = Stages(names, expected, probe_pace=probe / PROBE_REFERENCE_SECONDS)
+    print(f"[vat demo] this machine's pace: {probe / PROBE_REFERENCE_SECONDS:.2f}x the 2-core reference "
+          f"(a {probe:.2f} s probe); the estimates below scale with it", flush=True)
     start = time.time()
 
     stages.next()
