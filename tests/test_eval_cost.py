@@ -26,7 +26,10 @@ def test_cost_model_and_evict_in_eval_json(saved_target_and_draft, spec_bench_fi
     # the plain preset is the pure bytes model, and says so
     assert (result["cost_model"]["eta"], result["cost_model"]["latency_us"]) == (1.0, 0.0)
     assert result["cost_model"]["kind"] == "bytes model"
-    assert result["evict_profile"]["source"].startswith("on the fly") and result["evict_profile"]["widths"][-1] == 5
+    (profile,) = result["evict_profile"].values()  # one benchmark (a file: no dev split, fitted on its own prompts)
+    assert profile["verify_cost"]["source"].startswith("on the fly") and profile["verify_cost"]["widths"][-1] == 5
+    (calibration,) = profile["calibration"].values()  # the trained draft's (the n-gram draft is never cut)
+    assert "no dev split" in calibration["source"] and calibration["nodes"] > 0
     bench = result["benchmarks"][0]
     for label, per_budget in result["per_prompt"].items():
         entries = per_budget["none"][bench]
@@ -84,5 +87,6 @@ def test_profile_writes_the_verify_cost_table_evict_reads(saved_target_and_draft
     result = run_eval(target=target_dir, drafts=[draft_dir], benchmarks=[spec_bench_file], limit=1, max_new_tokens=8,
                       steps=3, tree_policy="evict", verify_cost=os.path.join(prof, "profile.json"), progress=False,
                       autoregressive=False)
-    assert result["evict_profile"]["widths"] == [1, 2, 4] and result["settings"]["verify_cost"].endswith(
+    (profile,) = result["evict_profile"].values()
+    assert profile["verify_cost"]["widths"] == [1, 2, 4] and result["settings"]["verify_cost"].endswith(
         "profile.json")

@@ -269,7 +269,11 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--affinity", help="EcoSpec's expert predictor: an affinity table (`vat prep affinity --target ...` "
                    "output, or a draft's affinity.safetensors); default each draft's own")
     p.add_argument("--verify-cost", help="EVICT's verification-cost profile (profile.json of `vat profile "
-                   "--verify-widths`); default: profiled on the fly on the first benchmark's first prompts")
+                   "--verify-widths`); default: profiled on the fly per benchmark, on its dev split's first prompts "
+                   "when it is a @test split (else on its own first prompts)")
+    p.add_argument("--evict-calibration", type=int, help="EVICT: prompts of the calibration pass that maps each node's "
+                   "raw estimate to the acceptance rate observed at its depth and confidence, per draft and benchmark, "
+                   "on the dev split of a @test benchmark (default 8; 0 = the raw estimates)")
     p.add_argument("--cost-model", help="roofline bytes model: h100 | h200 | a100 | l40s (data-sheet HBM bandwidth "
                    "and bf16 FLOPs), optionally with an achievable-bandwidth factor and a fixed latency per forward, "
                    "h200@eta=0.8,latency_us=10 (a bare knob takes its documented default); adds modeled tokens/s and "

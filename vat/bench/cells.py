@@ -266,8 +266,8 @@ def _write_json(path: str, data: Any) -> None:
 # eval keys beside the original six, with the value that leaves `vat eval` as it was: a setting at its default is
 # left out of the settings (and so of every fingerprint), so benches that never set one keep their finished cells
 EVAL_VARIANT_DEFAULTS = {key: getattr(EVAL_DEFAULTS, key)
-                         for key in ("tree", "tree_policy", "verify_cost", "policy", "vh_threshold", "cost_model",
-                                     "offload", "offload_policy", "offload_link")}
+                         for key in ("tree", "tree_policy", "verify_cost", "evict_calibration", "policy",
+                                     "vh_threshold", "cost_model", "offload", "offload_policy", "offload_link")}
 
 
 def method_eval(bench: Any, method: str | None) -> dict:

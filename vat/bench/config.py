@@ -39,6 +39,7 @@ class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's ev
     tree: Optional[str] = None  # dynamic tree "top_k,depth,total_tokens" (vat eval --tree); "chain" = no tree
     tree_policy: Optional[str] = None  # which drafted tokens are verified: a selection policy of vat.eval.policies
     verify_cost: Optional[str] = None  # EVICT's profile (vat profile --verify-widths); null = profiled on the fly
+    evict_calibration: Optional[int] = None  # EVICT's calibration prompts (dev split); 0 = raw estimates
     budgets: Optional[list[Any]] = None  # expert budgets B of this method's evaluation (ints, null, auto)
     policy: Optional[str] = None  # budget policy (vat eval --policy)
     vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
@@ -65,6 +66,7 @@ class BenchEvalConfig:
     tree: Optional[str] = EVAL_DEFAULTS.tree  # dynamic tree "top_k,depth,total_tokens"; null = chain of `steps`
     tree_policy: str = EVAL_DEFAULTS.tree_policy  # which drafted tokens are verified (vat.eval.config)
     verify_cost: Optional[str] = EVAL_DEFAULTS.verify_cost  # EVICT's verification-cost profile; null = on the fly
+    evict_calibration: Optional[int] = EVAL_DEFAULTS.evict_calibration  # EVICT's calibration prompts; 0 = raw
     policy: str = EVAL_DEFAULTS.policy  # budget policy
     vh_threshold: Optional[float] = EVAL_DEFAULTS.vh_threshold  # stop drafting on the verification head's signal
     cost_model: Optional[str] = EVAL_DEFAULTS.cost_model  # roofline bytes model (h200, h200@eta=0.8,latency_us=10)

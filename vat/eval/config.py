@@ -41,6 +41,7 @@ class EvalConfig:
     vh_threshold: Optional[float] = None  # stop drafting when the verification head's probability falls below
     tree_policy: str = DEFAULT_TREE_POLICY  # how the drafts are chosen: a vat.eval.policies.registry name
     verify_cost: Optional[str] = None  # EVICT's verification-cost profile; None = profiled on the fly
+    evict_calibration: Optional[int] = None  # EVICT's calibration prompts (a benchmark's dev split); 0 = raw estimates
     cost_model: Optional[str] = None  # roofline bytes model (h100 | h200 | a100 | l40s[@eta=η,latency_us=µs])
     served_dtype: str = "bfloat16"  # the dtype the cost model prices weights and KV in
     offload: Optional[str] = None  # expert offloading: resident experts per MoE layer, "8,16" (one model per C)

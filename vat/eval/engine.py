@@ -291,6 +291,8 @@ class SpeculativeEngine:
             draft = p.cut_chain(draft, cache_length(cache), self.mode)
         outcome = self._chain_round(cache, draft, root, generator)
         outcome.stats.drafted_depth = drafted  # what the draft ran, before the cut
+        for p in self.policies:
+            p.observe(list(range(outcome.stats.accepted)))
         return outcome
 
     def _selector(self, root: int):
@@ -367,5 +369,7 @@ class SpeculativeEngine:
         a = len(verdict.path) - 1
         stats = self._stats(out.topk_ids, list(verdict.path), drafted=len(tree), depth=max(tree.depths, default=0),
                             accepted=a, reached=verdict.reached, drafted_depth=drafted_depth)
+        for p in self.policies:
+            p.observe([b - 1 for b in verdict.path[1:]])
         tokens = [tree.tokens[b - 1] for b in verdict.path[1:]] + [verdict.next_token]
         return _Outcome(stats=stats, tokens=tokens, aux=out.aux_hidden[:, path])

@@ -9,9 +9,11 @@ shallower first) then makes every top-n set prefix-closed, and EVICT keeps
 
     n* = argmax_n  (1 + Σ_{i≤n} P_(i)) / (T_draft + C_verify(n))
 
-nodes (n = 0 verifies the root alone: a one-token round). C_verify(n) is the modeled time of verifying n + 1 tokens
-(:mod:`vat.eval.cost`) with the expert union the offline profile measured at that width on the target's own text
-(:mod:`vat.eval.verify_cost`), at the round's context; T_draft is the modeled time of the round's draft forwards.
+nodes (n = 0 verifies the root alone: a one-token round). With a calibration (:mod:`vat.eval.calibration`, fitted by
+a pass over prompts the evaluation does not score) each raw P_i is first replaced by the observed acceptance rate of
+nodes of its depth and raw-estimate bin: a path probability is a score, not the chance of acceptance. C_verify(n) is
+the modeled time of verifying n + 1 tokens (:mod:`vat.eval.cost`) with the expert union the offline profile measured
+at that width on the target's own text (:mod:`vat.eval.verify_cost`), at the round's context; T_draft is the modeled time of the round's draft forwards.
 Since the benefit only grows and the cost depends on n alone, the top-n set is the best set of each size, so the
 argmax over n is the argmax over every prefix-closed subset. Truncation only removes drafts: greedy verification of
 the kept nodes commits exactly the target's tokens, and rejection sampling over the kept children stays exact.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vat.eval.calibration import AcceptanceCalibration
 from vat.eval.chain import ChainDraft
 from vat.eval.cost import CostModel, ModelShape, draft_forwards
 from vat.eval.policies import RoundPolicy
@@ -114,12 +117,19 @@ class Evict(RoundPolicy):
         table: the verification-cost profile (union per width).
         draft: the draft's shape (its forwards' time is T_draft).
         budget: the verification's expert budget B (an int caps the profiled union per layer at B; None = natural).
+        calibration: maps each node's raw estimate to the observed acceptance rate of nodes of its depth and
+            confidence (:mod:`vat.eval.calibration`); None = the raw estimates as they are.
     """
 
     cost: CostModel
     table: VerifyCostTable
     draft: ModelShape | None = None
     budget: int | None = None
+    calibration: AcceptanceCalibration | None = None
+
+    def estimates(self, depths: Sequence[int], raw: Sequence[float]) -> list[float]:
+        """P per node: the raw estimates, calibrated when a calibration is set."""
+        return list(raw) if self.calibration is None else self.calibration.calibrate(depths, raw)
 
     def union(self, width: int) -> list[float]:
         """Expected experts per MoE layer when verifying ``width`` tokens (the profile's, capped by the budget)."""
@@ -135,7 +145,8 @@ class Evict(RoundPolicy):
             return tree
         t_draft = self.cost.draft(self.draft, draft_forwards("tree", max(tree.drafted_depth, max(tree.depths)), top_k),
                                   context)
-        keep = evict_select(tree_probs(tree), tree.parents, tree.depths, self._verify(context), t_draft)
+        probs = self.estimates(tree.depths, tree_probs(tree))
+        keep = evict_select(probs, tree.parents, tree.depths, self._verify(context), t_draft)
         return tree if len(keep) == len(tree) else subtree(tree, keep)
 
     def cut_chain(self, draft: ChainDraft, context: int, mode: str = "chain") -> ChainDraft:
@@ -144,7 +155,8 @@ class Evict(RoundPolicy):
         if k == 0 or (draft.probs is None and draft.vh is None):
             return draft
         t_draft = self.cost.draft(self.draft, draft_forwards(mode, k), context)
-        keep = evict_select(chain_probs(draft), list(range(-1, k - 1)), list(range(1, k + 1)),
+        depths = list(range(1, k + 1))
+        keep = evict_select(self.estimates(depths, chain_probs(draft)), list(range(-1, k - 1)), depths,
                             self._verify(context), t_draft)
         return draft.prefix(len(keep))  # a chain's prefix-closed sets are its prefixes
 

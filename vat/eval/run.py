@@ -233,13 +233,15 @@ def _decode_prompt(engine, tokenizer, prompt, index: int, seed: int) -> tuple[Pr
 
 
 def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_new_tokens, eos,
-            policies: list[EvalPolicy] = (), record_experts: bool = False):
-    """The engine of one pass, with the round hooks the eval policies give this draft under this budget."""
+            policies: list[EvalPolicy] = (), record_experts: bool = False, hooks: list | None = None):
+    """The engine of one pass, with the round hooks the eval policies give this draft under this budget (or exactly
+    ``hooks`` when given)."""
     drafter = config.draft.model
     if config.draft.aux_layer_ids is not None:
         target.aux_layer_ids = list(config.draft.aux_layer_ids)  # the features this draft reads
     eagle = drafter is not None and not config.draft.is_free and not config.draft.is_block
-    hooks = [h for p in policies if (h := p.for_pass(config.draft, config.budget)) is not None]
+    if hooks is None:
+        hooks = [h for p in policies if (h := p.for_pass(config.draft, config.budget)) is not None]
     return SpeculativeEngine(
         target, drafter, steps=steps, tree=tree if eagle else None, temperature=temperature,
         budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, policies=hooks,
@@ -386,11 +388,18 @@ def _set_up(target, drafts, settings: CheckedEval, *, tokenizer, autoregressive:
     configs += [RunConfig(d, b) for d in entries for b in settings.budgets]
     cost = _cost_model(target_obj, settings.cost_model, settings.served_dtype)
     block = 1 + max([_drafted_per_round(d, settings.steps, settings.tree) for d in entries] or [0])  # n-gram: steps
+    eos = eos_token_ids(tok, target_obj.model)
+
+    def engine_for(draft: DraftEntry, hooks: list) -> SpeculativeEngine:  # a policy's own decoding, natural routing
+        return _engine(target_obj, RunConfig(draft, None), steps=settings.steps, tree=settings.tree,
+                       temperature=settings.temperature, policy=settings.policy, max_new_tokens=cfg.max_new_tokens,
+                       eos=eos, hooks=hooks)
+
     for policy in settings.policies:  # before anything decodes: a missing predictor stops here
         policy.setup(PolicySetup(target=target_obj, tok=tok, drafts=eagle, cost=cost,
-                                 max_new_tokens=cfg.max_new_tokens, block=block))
+                                 max_new_tokens=cfg.max_new_tokens, block=block, engine=engine_for))
     return _Run(
-        settings=settings, target=target_obj, tok=tok, eos=eos_token_ids(tok, target_obj.model), entries=entries,
+        settings=settings, target=target_obj, tok=tok, eos=eos, entries=entries,
         configs=configs, block=block, max_positions=getattr(target_obj.config, "max_position_embeddings", None),
         bytes_per_layer=target_obj.expert_bytes_per_layer(), cost=cost, policies=settings.policies,
         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, progress=progress, reference_cache=cfg.reference_cache,
@@ -420,7 +429,7 @@ def _evaluate_benchmark(run: _Run, spec: str, limit: int | None, gen_file, out: 
     out.bench_names.append(name)
     out.sources[name] = os.path.abspath(spec) if os.path.exists(spec) else spec
     for policy in run.policies:  # e.g. EVICT's profile, on the fly from the first benchmark's first prompts
-        policy.start_benchmark(prompts)
+        policy.start_benchmark(prompts, spec)
     bench_runs: dict[int, list[PromptRun]] = {}
     for index, config in enumerate(run.configs):
         bench_runs[index] = _evaluate_pass(run, config, name, prompts, gen_file, out)

@@ -20,6 +20,7 @@ This module imports no policy (the algorithms in :mod:`vat.eval.evict` / :mod:`v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -51,6 +52,10 @@ class RoundPolicy:
         """The verification forwards' budget (``BudgetSpec(B, policy)``; only called under a budget)."""
         return spec
 
+    def observe(self, accepted: list[int]) -> None:
+        """After verification: the indices of the drafted nodes (of the chain, block or tree as verified, after every
+        cut) on the committed path, root excluded."""
+
 
 @dataclass
 class PolicySetup:
@@ -63,6 +68,9 @@ class PolicySetup:
         cost: the ``--cost-model`` (:class:`vat.eval.cost.CostModel`), None without one.
         max_new_tokens: tokens generated per turn.
         block: the longest verification block of the run.
+        engine: ``engine(draft, hooks)``: a :class:`vat.eval.engine.SpeculativeEngine` of ``draft`` with the run's
+            settings (steps, tree, temperature, EOS, tokens per turn) under natural routing, running the given round
+            hooks only: what a policy decodes with before the benchmark's passes (EVICT's calibration pass).
     """
 
     target: Any
@@ -71,6 +79,7 @@ class PolicySetup:
     cost: Any
     max_new_tokens: int
     block: int
+    engine: Callable[[Any, list[RoundPolicy]], Any] | None = None
 
 
 class EvalPolicy(RoundPolicy):
@@ -105,8 +114,9 @@ class EvalPolicy(RoundPolicy):
     def setup(self, ctx: PolicySetup) -> None:
         """Build what every pass shares (tables, per-draft state) once the target and drafts are loaded."""
 
-    def start_benchmark(self, prompts: list) -> None:
-        """A benchmark's prompts (those that fit), before its first pass."""
+    def start_benchmark(self, prompts: list, spec: str) -> None:
+        """A benchmark's prompts (those that fit) and its spec (``spec_bench@test``: a dev split may be read beside
+        it), before its first pass."""
 
     def for_pass(self, draft: Any, budget: int | str | None) -> RoundPolicy | None:
         """The hooks of one pass of ``draft`` (a ``DraftEntry``; ``model`` None = the AR pass) under ``budget``
