@@ -138,16 +138,19 @@ def test_dflash_terms_by_hand():
 def test_stated_hardware_and_verdict():
     with open(os.path.join(REPO, "recipes", "olmoe_1b_7b", "eagle3.yaml")) as f:
         hardware = sp.stated_hardware(f.read())
-    assert hardware == {"gpus": 8, "memory_gb": None}
+    assert hardware == {"gpus": 8, "memory_gb": 80.0}  # "8 GPUs of 80 GB (H100 / A100)"
     assert sp.stated_hardware("# Launch (8 H200 GPUs)\nmethod: vat\n") == {"gpus": 8, "memory_gb": 141.0}
     assert sp.stated_hardware("# 4 x 80 GB GPUs\n")["memory_gb"] == 80.0
     assert sp.stated_hardware("# A100 40GB, 8 GPUs\n") == {"gpus": 8, "memory_gb": 40.0}
     with open(os.path.join(REPO, "recipes", "qwen3_30b_a3b", "dflash_vat.yaml")) as f:
-        dflash_header = f.read()  # "~2.3 GB per sequence", "0.93 GB per rank": sizes, not GPUs
-    assert sp.stated_hardware(dflash_header) == {"gpus": 8, "memory_gb": None}
-    fits = sp.verdict(70e9, hardware)  # 12.5 % free of 80 GB, judged at 80 GB because the header names no memory
+        dflash_header = f.read()  # "~2.3 GB per sequence", "an 80 GB card": sizes, not the stated GPUs (H200)
+    assert sp.stated_hardware(dflash_header) == {"gpus": 8, "memory_gb": 141.0}
+    unstated = sp.stated_hardware("# Launch (one node, 8 GPUs; the target is replicated per rank)\n")
+    assert unstated == {"gpus": 8, "memory_gb": None}
+    fits = sp.verdict(70e9, unstated)  # 12.5 % free of 80 GB, judged at 80 GB because the header names no memory
     assert fits["assumed"] and fits["fits"] and math.isclose(fits["headroom"], 0.125)
-    assert not sp.verdict(73e9, hardware)["fits"]  # 8.75 % free
+    assert not sp.verdict(73e9, unstated)["fits"]  # 8.75 % free
+    assert not sp.verdict(73e9, hardware)["assumed"]  # a stated 80 GB is judged as stated
 
 
 def test_real_recipes_are_listed_and_read_at_their_real_shape():
@@ -229,11 +232,11 @@ def test_fit_prediction_and_report_from_cells(tmp_path):
     prediction = model["prediction"]
     assert prediction["items_bytes"]["step_per_token_b_x_tokens"] == pytest.approx(1e5 * 16384)
     assert prediction["total_bytes"] == pytest.approx(sum(prediction["items_bytes"].values()))
-    assert model["verdict"]["assumed"] and model["verdict"]["judged_against_gb"] == 80.0
+    assert not model["verdict"]["assumed"] and model["verdict"]["judged_against_gb"] == 80.0  # the recipe's 80 GB
     results["recipes"][recipe] = {"facts": facts, "models": {"current": model}}
     with open(sp.write_markdown(results, ["current", "baseline@abc"], str(tmp_path))) as f:
         md = f.read()
     # 256 tokens: 1e9 + 2.56e7 B = 1026 MB, 4 s; the baseline twice both: ratios 0.50
     assert "| 256 | 4 x 64 | 1026 | 4.00 | 2051 | 0.50 | 8.00 | 0.50 |" in md
     assert f"| {recipe} | 1000 | 100.0 | 16384 | {prediction['total_bytes'] / 1e9:.1f} |" in md
-    assert "memory unstated (judged at 80 GB)" in md and "window_pool.yaml" in md
+    assert "8 GPUs, 80 GB | yes" in md and "window_pool.yaml" in md
