@@ -10,7 +10,9 @@ import os
 import pytest
 import torch
 
+from vat.bench.cells import Cell
 from vat.bench.config import load_bench_config
+from vat.bench.run import _draft_target
 from vat.errors import VatError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -259,3 +261,17 @@ def test_the_bench_target_is_the_shared_one_else_the_first_own_target(tmp_path):
     elsewhere = Cell("b", 0, str(tmp_path / "b"), draft=draft, target=own)
     assert _bench_target([elsewhere, shared]) != own  # a method without its own target decides
     assert _bench_target([elsewhere]) == own  # every method on its own target: the first one's
+
+
+def test_a_record_of_draft_cells_renders_without_its_drafts(tmp_path):
+    """A committed record of a bench that evaluates existing drafts re-renders where the drafts are absent: the
+    target comes from the finished cell's eval.json; a missing draft with no record still stops in one line."""
+    cell = Cell(method="m", seed=0, directory=str(tmp_path / "cells" / "m" / "seed0"), draft=str(tmp_path / "gone"))
+    with pytest.raises(VatError, match="not found"):
+        _draft_target([cell], recorded=True)  # no record either
+    os.makedirs(os.path.join(cell.directory, "eval"))
+    with open(os.path.join(cell.directory, "eval", "eval.json"), "w") as f:
+        json.dump({"target": "/somewhere/tiny-target"}, f)
+    assert _draft_target([cell], recorded=True) == "/somewhere/tiny-target"
+    with pytest.raises(VatError, match="not found"):
+        _draft_target([cell])  # a run (not a render) needs the draft itself

@@ -176,22 +176,35 @@ def _bench_target(cells: list[Cell], build: bool = True) -> str:
     if trained:
         return resolve_target_path(trained[0].train_cfg.target.path)
     if shared:
-        return resolve_target_path(_draft_target(shared))
+        return resolve_target_path(_draft_target(shared, recorded=not build))
     return resolve_target_path(next(c.target for c in cells if c.target is not None))
 
 
-def _draft_target(cells: list[Cell]) -> str:
-    """The target a bench of draft cells only evaluates on: the one the first draft records (``target_path``)."""
+def _draft_target(cells: list[Cell], recorded: bool = False) -> str:
+    """The target a bench of draft cells only evaluates on: the one the first draft records (``target_path``); with
+    ``recorded`` (a re-render of a record whose drafts are not here) the one its finished cell's eval.json names."""
     for cell in cells:
         if cell.draft is None:
             continue
         if not os.path.isdir(cell.draft):
+            target = _recorded_target(cell) if recorded else None
+            if target is not None:
+                return target
             raise VatError(f"method {cell.method}: draft {cell.draft} not found (train it first, e.g. with the bench "
                            "that makes it)")
         path = getattr(read_draft_config(cell.draft), "target_path", None)
         if path:
             return path
     raise VatError("no method trains a draft and no draft records its target_path: add a trained method")
+
+
+def _recorded_target(cell: Cell) -> str | None:
+    """The target a finished cell was evaluated on (its eval.json ``target``), None when it has no record."""
+    try:
+        with open(os.path.join(cell.directory, "eval", "eval.json")) as f:
+            return json.load(f).get("target")
+    except (OSError, ValueError):
+        return None
 
 
 def main(args: argparse.Namespace) -> int:
