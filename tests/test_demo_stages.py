@@ -9,7 +9,7 @@ from vat.demo import Stages, plan_for
 
 def test_pace_ignores_cached_stages_and_scales_by_real_ones(capsys):
     stages = Stages(["target", "data", "train"], [100.0, 10.0, 10.0])
-    assert stages.pace(0.0) == 1.0  # nothing finished: the expected times as they are
+    assert stages.pace(0.0) == 1.0  # nothing finished, a probe at the reference pace: the expected times as they are
     stages.marks = [0.0, 1.0]  # target served from the cache in 1 s of 100: says nothing about the machine
     assert stages.pace(21.0) == 2.0  # data took 20 s of an expected 10
     stages.index = 2
@@ -37,7 +37,8 @@ def test_first_estimate_uses_the_probe_pace_until_a_stage_did_real_work(capsys):
     assert stages.pace(0.0) == 2.5  # nothing finished: the probe's pace
     stages.marks = [0.0, 1.0]  # the target from the cache: still the probe's
     assert stages.pace(1.5) == 2.5
-    assert stages.pace(11.0) == 1.0  # data took its expected 10 s: the measured pace replaces the probe's
+    assert stages.pace(11.0) == 2.5  # data at the reference pace: partly cached, the probe says the machine is slow
+    assert stages.pace(31.0) == 3.0  # data 3x its expected time: the machine got busier than the probe saw
     stages.marks, stages.start = [], time.time()
     stages.next()
     assert "about 5.0 min left" in capsys.readouterr().out  # 2.5 x 120 s

@@ -113,10 +113,11 @@ class Stages:
     """Prints numbered stage headers with elapsed time and an estimate of what is left.
 
     ``expected`` holds each stage's time on 2 idle cores (s). The estimate scales what is left by this machine's
-    pace: before any stage has done real work, the pace of a one-second probe (:func:`probe_seconds` against
-    :data:`PROBE_REFERENCE_SECONDS`); then how fast the finished stages that did real work went (a stage served from
-    the cache in under a tenth of its expected time says nothing about the machine), so the first estimate already
-    reflects a slower or busier machine and each real stage refines it.
+    pace: the pace of a one-second probe (:func:`probe_seconds` against :data:`PROBE_REFERENCE_SECONDS`), or how fast
+    the finished stages that did real work went when that is slower (a stage served from the cache in under a tenth
+    of its expected time says nothing about the machine, and one served partly from it runs faster than the machine
+    does; a busier machine shows as stages slower than the probe), so the first estimate already reflects a slower
+    machine and each real stage can only correct it upwards.
     """
 
     def __init__(self, names: list[str], expected: list[float], probe_pace: float = 1.0):
@@ -126,12 +127,13 @@ class Stages:
         self.index = 0
 
     def pace(self, now: float) -> float:
-        """Actual / expected time over the finished stages that were not served from the cache (the probe's pace
-        without any)."""
+        """The probe's pace, or actual / expected time over the finished stages not served from the cache when that
+        is slower."""
         ends = self.marks[1:] + [now]
         worked = [(end - begin, exp) for begin, end, exp in zip(self.marks, ends, self.expected)
                   if end - begin > 0.1 * exp]
-        return sum(a for a, _ in worked) / sum(e for _, e in worked) if worked else self.probe_pace
+        measured = sum(a for a, _ in worked) / sum(e for _, e in worked) if worked else 0.0
+        return max(self.probe_pace, measured)
 
     def next(self) -> None:
         now = time.time()

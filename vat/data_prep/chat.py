@@ -179,7 +179,8 @@ def unsupervise_truncated_ends(tokenizer, conv: list[dict], enc, truncated: set[
         text, spans = assistant_char_spans(tokenizer, conv)
     except Exception:
         return "template_error"
-    tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    # verbose=False: conversations past model_max_length are expected here (the caller cuts them to max_length)
+    tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     if list(tokens["input_ids"]) != list(enc.input_ids):  # the mask's tokens are not this rendering's
         return "template_error"
     offsets = tokens["offset_mapping"]

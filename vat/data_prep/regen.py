@@ -201,7 +201,9 @@ class Regenerator:
         """Token ids of a chat prefix rendered with the chat template and the generation prompt."""
         plain = [{"role": m["role"], "content": m["content"]} for m in messages]  # drop our own keys (truncated)
         text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # verbose=False: a prompt past the tokenizer's model_max_length is expected here (it is measured and the
+        # conversation ends before it, max_prompt_tokens), so transformers' too-long warning would be noise
+        return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     def generate_ids(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
         """Greedy (or sampled) continuations of token-id prompts, KV-cached, at most ``batch_size`` rows at a time.
