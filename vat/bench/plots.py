@@ -19,7 +19,7 @@ PNG_DPI = 100  # the bench PNGs are records kept in the repository: legible, and
 def save_png(fig, path: str) -> None:
     """``fig`` as a 256-colour palette PNG (a plot has few colours: the same picture at about a third of the bytes)."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=PNG_DPI)
+    fig.savefig(buffer, format="png", dpi=PNG_DPI, bbox_inches="tight")  # a long title or legend is never clipped
     buffer.seek(0)
     with Image.open(buffer) as image:
         image.convert("RGB").quantize(colors=256, method=0).save(path, optimize=True)  # 0: median cut
@@ -63,13 +63,13 @@ def plot_tau_intervals(summary: dict, budget: str, path: str) -> str | None:
         name = f"{label} ({seeds} seeds)" if seeds else label
         ax.bar(xs, taus, width=width, yerr=errs, capsize=3, label=name)
     ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
-    ax.set_ylim(0, 1.2 * top)
+    ax.set_ylim(0, (1.2 if len(labels) <= 2 else 1.45) * top)  # room for a two-column legend above the bars
     ax.set_xticks(range(len(benches)), benches)
     ax.set_xlabel("benchmark")
     ax.set_ylabel("τ (tokens committed per verification round)")
     suffix = "" if budget == NO_BUDGET else f", expert budget B = {budget}"
     ax.set_title(f"Acceptance length, {conf} % bootstrap intervals{suffix}")
-    ax.legend(fontsize=8, loc="upper left", ncols=min(len(labels), 4))
+    ax.legend(fontsize=8, loc="upper left", ncols=min(len(labels), 2))
     fig.tight_layout()
     save_png(fig, path)
     plt.close(fig)
