@@ -139,6 +139,38 @@ def test_dflash_vat_trains_under_a_budget_and_resumes_to_the_same_numbers(tmp_pa
     assert (cfg.block_size, cfg.num_hidden_layers, cfg.target_layer_ids, cfg.mask_token_id) == (8, 2, [1, 5], 4)
 
 
+def test_anchors_are_sampled_from_the_host_copies_of_the_masks(tmp_path, monkeypatch):
+    """DFlash's anchor sampling reads the batch's CPU masks (``host_*``: no device-to-host copy on a GPU), not the
+    device ones: with the host loss mask cut to each row's first half, every anchor lies in that half."""
+    import vat.train.kinds.dflash as dflash_kind
+    from vat.train.loop import TrainLoop
+
+    plain_next = TrainLoop.next_batch
+    halves, drawn = [], []
+
+    def next_batch(self):
+        indices, batch = plain_next(self)
+        host = batch["host_loss_mask"].clone()
+        host[:, host.shape[1] // 2:] = 0
+        halves.append(host.shape[1] // 2)
+        batch["host_loss_mask"] = host
+        return indices, batch
+
+    def sample(*args, **kwargs):
+        anchors = plain_sample(*args, **kwargs)
+        drawn.append(anchors)
+        return anchors
+
+    plain_sample = dflash_kind.sample_block_anchors
+    monkeypatch.setattr(TrainLoop, "next_batch", next_batch)
+    monkeypatch.setattr(dflash_kind, "sample_block_anchors", sample)
+    _train(str(tmp_path / "dflash"), "dflash.yaml", "train.max_steps=2", "train.save_every=0")
+    assert drawn and len(drawn) == len(halves)
+    for anchors, half in zip(drawn, halves):
+        real = anchors[anchors >= 0]
+        assert real.numel() > 0 and int(real.max()) < half
+
+
 def test_dflash_baseline_loss_falls(tmp_path):
     lines = _train(str(tmp_path / "dflash"), "dflash.yaml", "train.max_steps=6", "train.save_every=0")
     assert lines[-1]["loss"] < lines[0]["loss"] and "vh_bce" not in lines[-1]

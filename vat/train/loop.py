@@ -91,8 +91,9 @@ class TrainLoop:
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def next_batch(self) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """The dataset rows at the data position, collated on the device; the position moves on (next epoch at the
-        end of one)."""
+        """The dataset rows at the data position, collated on the device, plus ``host_loss_mask`` and
+        ``host_attention_mask``: the two masks as collated on the CPU (what the host reads, e.g. DFlash's anchor
+        sampling, without a device-to-host copy); the position moves on (next epoch at the end of one)."""
         epoch_batches = self._epoch_batches(self.position.epoch)
         if self.position.batch_index >= len(epoch_batches):
             self.position = DataPosition(self.position.epoch + 1, 0)
@@ -100,7 +101,9 @@ class TrainLoop:
         indices = epoch_batches[self.position.batch_index]
         self.position.batch_index += 1
         rows = collate([self.dataset[i] for i in indices], self.pad_id)
-        return indices, {k: v.to(self.device) for k, v in rows.items()}
+        batch = {k: v.to(self.device) for k, v in rows.items()}
+        batch.update(host_loss_mask=rows["loss_mask"], host_attention_mask=rows["attention_mask"])
+        return indices, batch
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         """The epoch's batches (dataset row indices), computed once per epoch."""

@@ -68,8 +68,11 @@ class DFlashKind(DrafterKind):
     def training_slots(self, drafter: Any, draft_config: Any, cfg: Any, batch: dict[str, torch.Tensor], tout: Any,
                        dist: Any, num_experts: int, anchor_seed: int, autocast: Any) -> Any:
         gen = torch.Generator().manual_seed(anchor_seed)
-        anchors = sample_block_anchors(batch["loss_mask"], batch["attention_mask"], draft_config.block_size,
-                                       cfg.drafter.num_anchors, gen)  # (B, N)
+        # from the CPU copies of the masks (no device-to-host sync), then onto the batch's device
+        anchors = sample_block_anchors(batch.get("host_loss_mask", batch["loss_mask"]),
+                                       batch.get("host_attention_mask", batch["attention_mask"]),
+                                       draft_config.block_size, cfg.drafter.num_anchors,
+                                       gen).to(batch["input_ids"].device)  # (B, N)
         with autocast():
             out = drafter(tout.aux_hidden, batch["input_ids"], anchors, batch["attention_mask"],
                           vh_detach=cfg.loss.vh_detach, attention=cfg.drafter.attention)
