@@ -262,3 +262,151 @@ def test_tree_verification_weighs_tokens_by_their_tree_depth(monkeypatch):
         assert root.tolist() == (depth == 0).tolist() and int(root.sum()) == 1
         wide += int(counts.max()) > 1
     assert wide > 0
+
+
+# ---- residency pruning under offload (the paper's Eq. 6) ---------------------------------------------------------
+
+
+def test_residency_pruning_hand_case():
+    """The self-sizing hand case's window (E = 8, k = 2; the root routes to {0, 1}; depths 1-3 to {2, 3}, {2, 4},
+    {2, 5}), p̂ = 1. Natural assignments v: 2 -> 3, every other union expert -> 1.
+
+    Self-sized S = {0, 1, 2, 5} displaces a(S) = v_3 + v_4 = 2. With H = {0, 1, 2} the only non-resident non-anchor
+    expert is 5 (v = 1 <= 2, |S| - 1 = 3 >= k): it goes, S = {0, 1, 2}. With 5 resident nothing is pruned.
+    AcceptMoE-fix at |S| = 5: S = {0, 1, 2, 4, 5} (u_4 = 0.15 < u_5 = 0.2 < u_2 = 2.55), a(S) = v_3 = 1. With
+    H = {0, 1}, C = {4, 5, 2} by demand; the cumulative v is 1, 2, 5: only 4 fits a(S) = 1, so S = {0, 1, 2, 5}.
+    """
+    num_experts = 8
+    routes = [{0: 0.5, 1: 0.5}, {2: 0.9, 3: 0.1}, {2: 0.85, 4: 0.15}, {2: 0.8, 5: 0.2}]
+    scores = torch.zeros(4, num_experts)
+    ids = torch.zeros(4, 2, dtype=torch.long)
+    for t, route in enumerate(routes):
+        for slot, (e, r) in enumerate(route.items()):
+            scores[t, e], ids[t, slot] = r, e
+    groups = torch.zeros(4, dtype=torch.long)
+    alpha, root = commitment_weights(torch.arange(4), groups, 1, AcceptMoESpec(commitment=(1.0,)))
+
+    def eligible(size, resident):
+        mask = None if resident is None else torch.isin(torch.arange(num_experts), torch.tensor(resident))
+        sets = budget_sets(scores, ids, groups, 1, size, token_weight=alpha, natural_only=True, anchor=root,
+                           resident=mask)
+        return set(sets[0].nonzero().flatten().tolist())
+
+    assert eligible(None, None) == {0, 1, 2, 5}
+    assert eligible(None, [0, 1, 2]) == {0, 1, 2}
+    assert eligible(None, [0, 1, 2, 5]) == {0, 1, 2, 5}
+    assert eligible(5, None) == {0, 1, 2, 4, 5}
+    assert eligible(5, [0, 1]) == {0, 1, 2, 5}
+    # the anchor is never pruned, even when nothing is resident; k bounds |S| from below
+    assert eligible(None, []) >= {0, 1} and len(eligible(None, [])) >= 2
+
+
+def _reference_pruned(sets, scores, ids, positions, groups, p_hat, beta, resident, k):
+    """Eq. 6 with Python loops on top of :func:`_reference_sets`: a(S) = natural assignments outside S; candidates
+    S \\ H \\ A by demand ascending (ties by id); drop the longest prefix whose v sum stays within a(S) and leaves
+    |S| >= k."""
+    out = {}
+    for g, s in sets.items():
+        tokens = [t for t in range(len(scores)) if groups[t] == g]
+        start = min(positions[t] for t in tokens)
+        depth = {t: positions[t] - start for t in tokens}
+        count = {d: sum(1 for t in tokens if depth[t] == d) for d in depth.values()}
+        u = [0.0] * len(scores[0])
+        v = [0] * len(scores[0])
+        for t in tokens:
+            d = depth[t]
+            p = 1.0 if d == 0 else p_hat[min(d, len(p_hat)) - 1]
+            for e in ids[t]:
+                u[e] += p**beta / math.sqrt(count[d]) * scores[t][e]
+                v[e] += 1
+        anchor = {e for t in tokens if depth[t] == 0 for e in ids[t]}
+        displaced = sum(v[e] for e in range(len(v)) if e not in s)
+        candidates = sorted((e for e in s if e not in resident and e not in anchor), key=lambda e: (u[e], e))
+        m, total = 0, 0
+        while m < len(candidates) and total + v[candidates[m]] <= displaced and len(s) - (m + 1) >= k:
+            total += v[candidates[m]]
+            m += 1
+        out[g] = set(s) - set(candidates[:m])
+    return out
+
+
+@pytest.mark.parametrize("size", [None, 5, 7])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_residency_pruning_matches_the_reference(seed, size):
+    gen = torch.Generator().manual_seed(seed)
+    num_experts, k = 16, 4
+    scores = torch.softmax(torch.randn(25, num_experts, generator=gen) * 2.0, dim=-1)  # (N, E)
+    ids = scores.topk(k, dim=-1).indices  # (N, k)
+    tree = [0, 1, 1, 1, 2, 2, 2, 2, 3, 3]
+    positions = torch.tensor([4] + [50 + d for d in tree] + list(range(60, 68)) + [70 + d for d in tree[:6]])
+    groups = torch.tensor([-1] + [0] * 10 + [1] * 8 + [2] * 6)
+    p_hat = (0.7, 0.45, 0.3)
+    alpha, root = commitment_weights(positions, groups, 3, AcceptMoESpec(commitment=p_hat))
+    resident = torch.randperm(num_experts, generator=gen)[:6]
+    mask = torch.isin(torch.arange(num_experts), resident)
+    got = budget_sets(scores, ids, groups, 3, size, token_weight=alpha, natural_only=True, anchor=root, resident=mask)
+    args = (scores.tolist(), ids.tolist(), positions.tolist(), groups.tolist(), p_hat, 0.5)
+    unpruned = _reference_sets(*args, size)
+    want = _reference_pruned(unpruned, *args, set(resident.tolist()), k)
+    for g in range(3):
+        assert set(got[g].nonzero().flatten().tolist()) == want[g], (g, size)
+    assert any(want[g] != unpruned[g] for g in range(3)) or seed > 0  # seed 0 prunes something (not only no-ops)
+
+
+def test_live_residency_is_what_the_offload_replay_holds(monkeypatch):
+    """Through the engine: at every verification forward of a chain decode under ``acceptmoe`` + residency, the
+    resident set the router hook reads is the one an offline replay of the decode's recorded trace (the offload
+    model's caches) holds before that forward; pruning happens once the caches are full."""
+    from vat.eval.engine import SpeculativeEngine
+    from vat.eval.offload import ResidencyCache
+    from vat.eval.policies.acceptmoe import AcceptMoEBudget, LiveResidency
+
+    model = tiny_model("olmoe", num_experts=16, top_k=2, seed=2)
+    target = load_target(model, device="cpu")
+    reads: list[tuple[int, frozenset | None]] = []
+    real = LiveResidency.resident_experts
+
+    def recording(self, moe_ordinal):
+        got = real(self, moe_ordinal)
+        reads.append((moe_ordinal, None if got is None else frozenset(got)))
+        return got
+
+    monkeypatch.setattr(LiveResidency, "resident_experts", recording)
+    capacity = 6
+    try:
+        draft = make_eagle3_draft(model, target, rigged=True)
+        hook = AcceptMoEBudget(AcceptMoESpec(commitment=(0.9, 0.8)), LiveResidency(capacity, "lru"))
+        engine = SpeculativeEngine(target, draft, steps=5, budget="auto", policy="acceptmoe", policies=[hook],
+                                   max_new_tokens=40, record_experts=True)
+        prompt = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(0)).tolist()
+        engine.generate(prompt[:4])  # a warm-up, forgotten by start_pass
+        engine.start_pass()
+        reads.clear()
+        gen = engine.generate(prompt)
+    finally:
+        target.close()
+    layers = len(gen.rounds[0].expert_sets)
+    caches = [ResidencyCache(capacity, "lru") for _ in range(layers)]
+    want = []
+    for r in gen.rounds:  # the replay: the state before each forward, per layer, then that forward's sets
+        for layer, cache in enumerate(caches):
+            full = len(cache.last_use) >= capacity
+            want.append((layer, frozenset(cache.resident) if full else None))
+        for cache, experts in zip(caches, r.expert_sets, strict=True):
+            cache.access(experts)
+    assert reads == want
+    assert sum(s is not None for _, s in reads) > layers  # the caches filled and were read while full
+
+
+def test_residency_settings_are_refused_in_one_line():
+    from vat.eval.config import eval_config
+    from vat.eval.policies.registry import picked
+
+    with pytest.raises(VatError, match=r"--acceptmoe-residency 8 prunes against .* add it to --offload \(got none\)"):
+        picked(eval_config(policy="acceptmoe", acceptmoe_residency=8, cost_model="h200"), None)
+    with pytest.raises(VatError, match=r"add it to --offload \(got 4,6\)"):
+        picked(eval_config(policy="acceptmoe", acceptmoe_residency=8, offload="4,6", cost_model="h200"), None)
+    with pytest.raises(VatError, match=r"--acceptmoe-residency is AcceptMoE's residency pruning: add --policy "
+                                       r"acceptmoe"):
+        picked(eval_config(acceptmoe_residency=8, offload="8", cost_model="h200"), None)
+    assert picked(eval_config(policy="acceptmoe", acceptmoe_residency=8, offload="4,8", cost_model="h200"), None)

@@ -111,6 +111,6 @@ def test_greedy_suffix_decoding_is_lossless_and_the_cache_carries_across_request
         first_pass.append(len(gen.rounds))
     for before, again in zip(first_pass[: len(prompts)], first_pass[len(prompts):]):
         assert again < before  # the repeated request is drafted from the earlier response
-    engine.reset_lookup()
+    engine.start_pass()
     fresh = engine.generate(prompts[0])
     assert len(fresh.rounds) == first_pass[0]  # an emptied cache decodes as the first time

@@ -260,6 +260,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--commitment", help="AcceptMoE's p̂_d (probability that depth d is on the accepted path): an "
                    "eval.json of the same draft (its acceptance by position at budget none) or a JSON list [p_1, p_2, "
                    "...]; default the prior 0.8^d")
+    p.add_argument("--acceptmoe-residency", type=int, help="AcceptMoE under expert offloading (its Eq. 6): prune each "
+                   "verification set of its least-demanded non-resident experts against a live cache of C resident "
+                   "experts per layer (--offload-policy); C must be one of --offload's sizes, which prices it")
     p.add_argument("--vh-threshold", type=float, help="stop drafting (truncate a DFlash block) when the "
                    "verification head predicts rejection")
     p.add_argument("--tree-policy", action=_PolicyFlag, setting="tree_policy", help="which drafted tokens are verified, "

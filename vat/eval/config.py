@@ -50,6 +50,7 @@ class EvalConfig:
     ecospec_lambda: float = 1.0  # EcoSpec's λ: nats of draft log-probability one predicted new expert costs
     affinity: Optional[str] = None  # EcoSpec's expert predictor; None = each draft's own affinity.safetensors
     commitment: Optional[str] = None  # AcceptMoE's p̂_d (eval.json or JSON list); None = the prior 0.8^d
+    acceptmoe_residency: Optional[int] = None  # AcceptMoE under offload: prune S against a live cache of C experts
     ngram_n: int = DEFAULT_N_MAX  # the `ngram` draft's longest matched suffix (vLLM's prompt_lookup_max)
     ngram_min: int = DEFAULT_N_MIN  # its shortest (vLLM's prompt_lookup_min)
     ngram_rule: str = "vllm"  # which earlier occurrence it copies: vllm (the earliest) | recent (the latest)

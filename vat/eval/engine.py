@@ -7,7 +7,7 @@ One :class:`SpeculativeEngine` decodes one sequence at a time (batch size 1) in 
 * ``ngram``: a chain of up to K training-free drafts per round, from prompt lookup (:mod:`vat.eval.ngram`) or suffix
   decoding (:mod:`vat.eval.suffix`), verified by the same chain round as EAGLE-3 (same block layout, budget, union
   and acceptance rules; zero drafts = a one-token round). Suffix decoding's cache of earlier responses lives as long
-  as the engine (one benchmark pass), as a server's would; :meth:`SpeculativeEngine.reset_lookup` empties it.
+  as the engine (one benchmark pass), as a server's would; :meth:`SpeculativeEngine.start_pass` empties it.
 * ``tree``: EAGLE dynamic tree per round (:mod:`vat.eval.tree`);
 * ``block``: a DFlash block of ``block_size - 1`` drafts per round (:mod:`vat.eval.block`), verified by the chain
   round (same layout, budget, union and acceptance rules).
@@ -178,10 +178,13 @@ class SpeculativeEngine:
             spec = p.budget_spec(spec)
         return spec
 
-    def reset_lookup(self) -> None:
-        """Forget what a free draft's session has seen (suffix decoding's cache of earlier responses)."""
+    def start_pass(self) -> None:
+        """Forget what the warm-up did: a free draft's session (suffix decoding's cache of earlier responses) and the
+        round policies' pass state (AcceptMoE's live expert cache)."""
         if self._lookups is not None:
             self._lookups = self.drafter.session()
+        for p in self.policies:
+            p.start_pass()
 
     @property
     def mode(self) -> str:
@@ -311,11 +314,16 @@ class SpeculativeEngine:
         """A round's :class:`RoundStats` with its union of (L', 1, T, k) executed ids and, with ``record_experts``,
         the ids themselves (``path``: block indices of the committed inputs, root first)."""
         stats = RoundStats(**counts, union=self._union(topk_ids))
-        if self.record_experts:
+        observers = [p for p in self.policies if p.observes_experts]
+        if self.record_experts or observers:
             ids = topk_ids[:, 0].cpu()  # (L', T, k)
             E = self.target.num_experts
-            stats.expert_sets = [sorted({int(e) for e in layer.flatten().tolist() if e < E}) for layer in ids]
-            stats.input_experts = ids[:, path].permute(1, 0, 2).contiguous()  # (a + 1, L', k)
+            expert_sets = [sorted({int(e) for e in layer.flatten().tolist() if e < E}) for layer in ids]
+            for p in observers:
+                p.executed(expert_sets)
+            if self.record_experts:
+                stats.expert_sets = expert_sets
+                stats.input_experts = ids[:, path].permute(1, 0, 2).contiguous()  # (a + 1, L', k)
         return stats
 
     def _ar_round(self, cache, root: int, generator) -> _Outcome:

@@ -255,7 +255,7 @@ def _run_config(engine, tokenizer, prompts, config: RunConfig, benchmark: str, t
     saved, engine.max_new_tokens = engine.max_new_tokens, min(4, engine.max_new_tokens)
     engine.generate(warm, _generator(engine.target.device, seed, -1, 0))  # warm-up, not timed
     engine.max_new_tokens = saved
-    engine.reset_lookup()  # the warm-up's answer is not an earlier response of the pass
+    engine.start_pass()  # the warm-up's answer is not an earlier response of the pass, nor its experts resident
     runs = []
     desc = f"{benchmark} | {config.draft.label} | B={config.budget_label}"
     for index, prompt in enumerate(tqdm(prompts, desc=desc, disable=not progress, leave=False)):

@@ -24,9 +24,9 @@ the special case α ≡ 1, demand over every expert's score, no anchor, |S| = B:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +43,14 @@ DEFAULT_COMMITMENT_DECAY = 0.8  # p̂_d = 0.8^d when no offline estimate is give
 SIZE_TOLERANCE = 1e-6  # ⌈exp(H) - tol⌉: a uniform demand over m experts gives exactly m despite rounding
 
 
+class Residency(Protocol):
+    """What AcceptMoE's residency pruning reads: the experts resident on the GPU at one MoE layer right now."""
+
+    def resident_experts(self, moe_ordinal: int) -> Collection[int] | None:
+        """The resident expert ids of MoE layer ``moe_ordinal``; None = the layer's cache still has free slots (a
+        non-resident expert then costs no eviction, and nothing is pruned)."""
+
+
 @dataclass
 class AcceptMoESpec:
     """AcceptMoE's commitment weighting (docs/verification_policies.md), the selection of policy ``acceptmoe``.
@@ -55,12 +63,15 @@ class AcceptMoESpec:
         anchor: always keep the root's natural top-k (the paper's A). False is for comparisons only.
         demand: ``natural`` (u_e counts a token's score only for its own natural top-k: the paper) or ``score``
             (every expert's score, MoE-Spec's sum). ``score`` is for comparisons only.
+        residency: the live expert cache of an offloaded target (:class:`Residency`): when set, each window's S is
+            pruned of its least-demanded non-resident experts (:func:`prune_nonresident`, the paper's Eq. 6).
     """
 
     commitment: tuple[float, ...] = ()
     beta: float = 0.5
     anchor: bool = True
     demand: str = "natural"
+    residency: Residency | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.commitment = tuple(float(p) for p in self.commitment)
@@ -78,6 +89,19 @@ class AcceptMoESpec:
             return DEFAULT_COMMITMENT_DECAY ** depths
         table = torch.tensor((1.0,) + self.commitment, dtype=torch.float64)
         return table[depths.long().clamp_max(len(table) - 1)]
+
+    def resident_mask(self, moe_ordinal: int, num_experts: int, device: torch.device) -> torch.Tensor | None:
+        """(E,) bool resident experts of one MoE layer, or None (no residency, or a cache with free slots)."""
+        if self.residency is None:
+            return None
+        resident = self.residency.resident_experts(moe_ordinal)
+        if resident is None:
+            return None
+        mask = torch.zeros(num_experts, dtype=torch.bool, device=device)
+        ids = [int(e) for e in resident if 0 <= int(e) < num_experts]
+        if ids:
+            mask[torch.tensor(ids, device=device)] = True
+        return mask
 
 
 @dataclass
@@ -285,6 +309,7 @@ def budget_sets(
     token_weight: torch.Tensor | None = None,
     natural_only: bool = False,
     anchor: torch.Tensor | None = None,
+    resident: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert set S of every window: its natural union if that fits, else the top experts by (weighted) demand.
 
@@ -303,6 +328,8 @@ def budget_sets(
         token_weight: (N,) demand weight per token (None = 1).
         natural_only: count a token's score only for its own natural top-k experts.
         anchor: (N,) bool, tokens whose natural experts are always kept (None = none).
+        resident: (E,) bool experts resident on the GPU (AcceptMoE under offload): S is then pruned by
+            :func:`prune_nonresident`. None = no pruning.
 
     Returns:
         (n_groups, E) bool: the allowed experts of each window.
@@ -341,7 +368,46 @@ def budget_sets(
     order = torch.topk(ranked, width, dim=-1).indices  # (G, width), best first
     take = torch.arange(width, device=scores.device)[None, :] < size[:, None]  # (G, width): the first |S| of each
     top.scatter_(1, order, take)
-    return torch.where(fits[:, None], union, top)
+    sets = torch.where(fits[:, None], union, top)
+    if resident is not None:
+        sets = prune_nonresident(sets, mass, used, kept, resident, k)
+    return sets
+
+
+def prune_nonresident(
+    sets: torch.Tensor, demand: torch.Tensor, assignments: torch.Tensor, anchor_sets: torch.Tensor,
+    resident: torch.Tensor, k: int,
+) -> torch.Tensor:
+    """AcceptMoE's residency-aware pruning (its Eq. 6, offload only): drop S's least-demanded non-resident experts
+    while the natural assignments they displace stay within what forming S already displaced.
+
+    Per window: a(S) = Σ_{e ∉ S} v_e, the natural assignments S already reroutes (v_e = tokens whose natural top-k
+    holds e); the candidates C = S \ H \ A (non-resident, not the root anchor's), ranked by demand u_e ascending
+    (ties: lower id first); m* = max{m : Σ_{j ≤ m} v_{π(j)} ≤ a(S), |S| − m ≥ k}; the first m* candidates leave S.
+    A window whose natural union fits its budget displaces nothing (a(S) = 0) and keeps S.
+
+    Args:
+        sets: (G, E) bool, S per window.
+        demand: (G, E) u_e, the demand S was ranked by.
+        assignments: (G, E) v_e, natural assignments per expert.
+        anchor_sets: (G, E) bool, A (never pruned).
+        resident: (E,) bool, H.
+        k: the router's top-k (|S| never drops below it).
+
+    Returns:
+        (G, E) bool, the pruned S.
+    """
+    v = assignments.double()
+    displaced = (v * ~sets).sum(-1, keepdim=True)  # (G, 1) a(S)
+    candidate = sets & ~resident[None, :] & ~anchor_sets  # (G, E) C
+    ranked = torch.where(candidate, demand.double(), torch.full_like(v, float("inf")))  # non-candidates last
+    order = torch.sort(ranked, dim=-1, stable=True).indices  # (G, E) π: ascending demand, ties by id
+    cum = v.gather(1, order).cumsum(-1)  # (G, E) Σ_{j ≤ m} v_π(j), m = 1..E
+    m = torch.arange(1, v.shape[-1] + 1, device=sets.device)[None, :]  # (1, E)
+    ok = candidate.gather(1, order) & (cum <= displaced) & (sets.sum(-1, keepdim=True) - m >= k)  # monotone in m
+    drop = torch.zeros_like(sets)
+    drop.scatter_(1, order, ok.cummin(-1).values)  # the longest prefix that satisfies every condition
+    return sets & ~drop
 
 
 def apply_budget(
@@ -358,6 +424,7 @@ def apply_budget(
     token_weight: torch.Tensor | None = None,
     anchor: torch.Tensor | None = None,
     acceptmoe: AcceptMoESpec | None = None,
+    moe_ordinal: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Budget one MoE layer's routing.
 
@@ -382,7 +449,8 @@ def apply_budget(
             ``"allowed"``: (N, E) bool, each token's window set S (all True for unbudgeted tokens).
         token_weight: (N,) AcceptMoE's α per token (:func:`commitment_weights`); ``acceptmoe`` only.
         anchor: (N,) bool, the root token of each window; ``acceptmoe`` only.
-        acceptmoe: its demand/anchor switches (default :class:`AcceptMoESpec`).
+        acceptmoe: its demand/anchor switches (default :class:`AcceptMoESpec`), and its residency under offload.
+        moe_ordinal: this layer's MoE ordinal (which layer's resident experts the residency pruning reads).
 
     Returns:
         ``(topk_weights (N, k), topk_ids (N, k))`` with at most |S| distinct ids per window; dropped slots hold
@@ -403,6 +471,7 @@ def apply_budget(
         allowed_sets = budget_sets(
             scores, ids, groups, n_groups, budget, token_weight=token_weight,
             natural_only=acceptmoe.demand == "natural", anchor=anchor if acceptmoe.anchor else None,
+            resident=acceptmoe.resident_mask(moe_ordinal, num_experts, logits.device),
         )  # (G, E)
     else:
         allowed_sets = budget_sets(scores, ids, groups, n_groups, budget)  # (G, E)

@@ -56,6 +56,16 @@ class RoundPolicy:
         """After verification: the indices of the drafted nodes (of the chain, block or tree as verified, after every
         cut) on the committed path, root excluded."""
 
+    #: the engine calls :meth:`executed` after every verification forward only when a policy of the pass sets this
+    observes_experts: ClassVar[bool] = False
+
+    def executed(self, expert_sets: list[list[int]]) -> None:
+        """After a verification forward (``observes_experts`` only): the experts it executed per MoE layer (sorted
+        ids; what the offload model replays)."""
+
+    def start_pass(self) -> None:
+        """Before the first scored prompt of a pass (after the engine's warm-up): forget what the warm-up did."""
+
 
 @dataclass
 class PolicySetup:
