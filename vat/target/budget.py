@@ -378,7 +378,7 @@ def prune_nonresident(
     sets: torch.Tensor, demand: torch.Tensor, assignments: torch.Tensor, anchor_sets: torch.Tensor,
     resident: torch.Tensor, k: int,
 ) -> torch.Tensor:
-    """AcceptMoE's residency-aware pruning (its Eq. 6, offload only): drop S's least-demanded non-resident experts
+    r"""AcceptMoE's residency-aware pruning (its Eq. 6, offload only): drop S's least-demanded non-resident experts
     while the natural assignments they displace stay within what forming S already displaced.
 
     Per window: a(S) = Σ_{e ∉ S} v_e, the natural assignments S already reroutes (v_e = tokens whose natural top-k
