@@ -70,6 +70,17 @@ def test_effective_rank_hand_cases():
     assert effective_rank(demand).tolist() == [3, 3, 2, 1, 0, 6]
 
 
+def _hand_window(num_experts: int, routes: list[dict[int, float]]):
+    """One window of len(routes) tokens: token t's natural experts and scores are ``routes[t]`` ({expert: score})."""
+    k = len(routes[0])
+    scores = torch.zeros(len(routes), num_experts)
+    ids = torch.zeros(len(routes), k, dtype=torch.long)
+    for t, route in enumerate(routes):
+        for slot, (e, r) in enumerate(route.items()):
+            scores[t, e], ids[t, slot] = r, e
+    return scores, ids, torch.zeros(len(routes), dtype=torch.long)
+
+
 def test_self_sizing_hand_case():
     """One chain window, E = 8, k = 2: the root routes to {0, 1}; drafts at depths 1-3 route to {2, 3}, {2, 4}, {2, 5}
     with scores (0.9, 0.1), (0.85, 0.15), (0.8, 0.2).
@@ -79,13 +90,8 @@ def test_self_sizing_hand_case():
     expert 5 has no demand: u = (1.75, 0.1, 0.15), exp(H) = 1.59 -> 2, S = {0, 1, 2, 4}.
     """
     num_experts = 8
-    routes = [{0: 0.5, 1: 0.5}, {2: 0.9, 3: 0.1}, {2: 0.85, 4: 0.15}, {2: 0.8, 5: 0.2}]
-    scores = torch.zeros(4, num_experts)
-    ids = torch.zeros(4, 2, dtype=torch.long)
-    for t, route in enumerate(routes):
-        for slot, (e, r) in enumerate(route.items()):
-            scores[t, e], ids[t, slot] = r, e
-    groups = torch.zeros(4, dtype=torch.long)
+    scores, ids, groups = _hand_window(num_experts, [{0: 0.5, 1: 0.5}, {2: 0.9, 3: 0.1}, {2: 0.85, 4: 0.15},
+                                                     {2: 0.8, 5: 0.2}])
 
     def eligible(commitment):
         alpha, root = commitment_weights(torch.arange(4), groups, 1, AcceptMoESpec(commitment=commitment))
@@ -277,13 +283,8 @@ def test_residency_pruning_hand_case():
     H = {0, 1}, C = {4, 5, 2} by demand; the cumulative v is 1, 2, 5: only 4 fits a(S) = 1, so S = {0, 1, 2, 5}.
     """
     num_experts = 8
-    routes = [{0: 0.5, 1: 0.5}, {2: 0.9, 3: 0.1}, {2: 0.85, 4: 0.15}, {2: 0.8, 5: 0.2}]
-    scores = torch.zeros(4, num_experts)
-    ids = torch.zeros(4, 2, dtype=torch.long)
-    for t, route in enumerate(routes):
-        for slot, (e, r) in enumerate(route.items()):
-            scores[t, e], ids[t, slot] = r, e
-    groups = torch.zeros(4, dtype=torch.long)
+    scores, ids, groups = _hand_window(num_experts, [{0: 0.5, 1: 0.5}, {2: 0.9, 3: 0.1}, {2: 0.85, 4: 0.15},
+                                                     {2: 0.8, 5: 0.2}])
     alpha, root = commitment_weights(torch.arange(4), groups, 1, AcceptMoESpec(commitment=(1.0,)))
 
     def eligible(size, resident):

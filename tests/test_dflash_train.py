@@ -187,3 +187,29 @@ def test_dflash_recipes_load_with_their_method_presets(recipe):
     assert sw.imitation_norm == ("anchors" if vat else "weight_sum") and sw.soft_weight == (1.0 if vat else 0.0)
     with open(os.path.join(REPO, "recipes", recipe)) as f:
         assert "vat train recipes/" + recipe in f.read()  # the launch command in the header
+
+
+def test_the_lm_head_inside_the_loss_trains_as_the_materialised_logits(tmp_path, monkeypatch):
+    """DFlash + VAT with the full-vocabulary readout inside the chunked loss (``loss.imitation_chunk_mb`` set: the
+    drafter hands the loss HeadLogits) against the autograd reference on materialised logits (null): the same loss,
+    τ_sim, accuracies and gradient norm at every step."""
+    from vat.imitation import HeadLogits
+
+    seen = []
+    plain = DFlashDrafter.forward
+
+    def forward(self, *args, **kwargs):
+        out = plain(self, *args, **kwargs)
+        seen.append(isinstance(out.logits, HeadLogits))
+        return out
+
+    monkeypatch.setattr(DFlashDrafter, "forward", forward)
+    args = ("dflash_vat.yaml", "train.max_steps=2", "train.save_every=0", "loss.union_weight=0.1")
+    lazy = _train(str(tmp_path / "lazy"), *args, "loss.imitation_chunk_mb=0.05")
+    assert seen and all(seen)
+    seen.clear()
+    reference = _train(str(tmp_path / "reference"), *args, "loss.imitation_chunk_mb=null")
+    assert seen and not any(seen)
+    for a, b in zip(lazy, reference, strict=True):
+        for key in ("loss", "tau_sim", "acc_0", "vh_bce", "union_sim", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vat.errors import VatError
-from vat.imitation import chunked_imitation, imitation_grad_norm
+from vat.imitation import HeadLogits, chunked_imitation, imitation_grad_norm
 from vat.union_scale import UNION_SCALE_MAX, UnionScale, batch_norms, effective_lambda
 from vat.verify import ACCEPTANCE_RULES, TargetDist, VerificationResult, simulate_verification
 
@@ -398,7 +398,7 @@ class LossSwitches:
 
 
 def vat_objective(
-    draft_logits: Tensor,
+    draft_logits: Tensor | HeadLogits,
     target: TargetDist,
     valid: Tensor,
     switches: LossSwitches,
@@ -429,7 +429,9 @@ def vat_objective(
     ``none`` s = 1 and ``L_union = mean U / E``.
 
     Args:
-        draft_logits: ``(..., K, V_d)`` draft logits (grad).
+        draft_logits: ``(..., K, V_d)`` draft logits (grad), or :class:`vat.imitation.HeadLogits` (a full-vocabulary
+            readout, DFlash's): the imitation term and the simulated verification then run the head a chunk of
+            anchors at a time, and only the union term's sampled anchors get whole logits.
         target: :class:`TargetDist` gathered to ``(..., K[, V_d])``.
         valid: ``(..., K)`` bool: the position exists and is loss-masked.
         switches: :class:`LossSwitches`.
@@ -472,7 +474,7 @@ def vat_objective(
     weights = _imitation_weights(verification, target, valid, switches, imitation_mask, K, dev)
 
     metrics: dict[str, Tensor] = {}
-    loss = draft_logits.new_zeros((), dtype=torch.float32)
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
     if switches.soft_weight or switches.hard_weight:
         per_pos = _imitation_per_position(draft_logits, target, weights.imit, switches)  # (..., K)
         loss = loss + (weights.wm * per_pos).sum() / weights.denom
@@ -535,21 +537,24 @@ def _imitation_weights(
     return _ImitationWeights(imit, wm, weight_sum, anchors, denom)
 
 
-def _chunk_anchors(draft_logits: Tensor, switches: LossSwitches) -> int:
+def _chunk_anchors(draft_logits: Tensor | HeadLogits, switches: LossSwitches) -> int:
     """Anchors per chunk: ``imitation_chunk_mb`` MiB of fp32 ``(K, V_d)`` rows each (all anchors when None)."""
     K, Vd = draft_logits.shape[-2:]
     if switches.imitation_chunk_mb is None:
-        return max(1, draft_logits[..., 0, 0].numel())
+        return max(1, math.prod(draft_logits.shape[:-2]))
     return max(1, int(switches.imitation_chunk_mb * 2**20 // (K * Vd * 4)))
 
 
-def _imitation_per_position(draft_logits: Tensor, target: TargetDist, imit: Tensor, switches: LossSwitches) -> Tensor:
+def _imitation_per_position(draft_logits: Tensor | HeadLogits, target: TargetDist, imit: Tensor,
+                            switches: LossSwitches) -> Tensor:
     """``(..., K)`` unweighted imitation loss ``soft_weight·ℓ_soft + hard_weight·ℓ_hard``, 0 off the imitation mask:
     a chunk of anchors at a time (:func:`vat.imitation.chunked_imitation`, ``imitation_chunk_mb`` of fp32 per chunk)
     or, with ``imitation_chunk_mb`` None, through autograd (the reference)."""
     if switches.imitation_chunk_mb is not None:
         return chunked_imitation(draft_logits, target.probs, target.argmax_draft, imit, switches.soft_weight,
                                  switches.hard_weight, _chunk_anchors(draft_logits, switches))
+    if isinstance(draft_logits, HeadLogits):
+        draft_logits = draft_logits[...]  # the reference materialises the logits
     logq = draft_logits.float().log_softmax(-1)  # (..., K, V_d)
     per_pos = torch.zeros_like(logq[..., 0])  # (..., K)
     if switches.soft_weight:
@@ -591,7 +596,7 @@ class _UnionInputs(NamedTuple):
 
 
 def _union_inputs(
-    draft_logits: Tensor,
+    draft_logits: Tensor | HeadLogits,
     target: TargetDist,
     valid: Tensor,
     verification: VerificationResult,
@@ -599,9 +604,11 @@ def _union_inputs(
     wm: Tensor,
     union_anchors: Tensor | None,
 ) -> _UnionInputs:
-    """The union term's inputs, restricted to ``union_anchors`` when given (None = all anchors)."""
+    """The union term's inputs, restricted to ``union_anchors`` when given (None = all anchors); head logits are
+    materialised for those anchors only."""
     if union_anchors is None:
-        return _UnionInputs(draft_logits, anchor_routing, valid, verification.anchor_valid, target, wm)
+        logits = draft_logits[...] if isinstance(draft_logits, HeadLogits) else draft_logits
+        return _UnionInputs(logits, anchor_routing, valid, verification.anchor_valid, target, wm)
     # the union term on a subset of anchors: (N, K, L', E) grows with L'·E. The flat indices are unravelled and each
     # tensor indexed in its own leading dims: the target fields are strided views of the per-position tensors (the
     # TTT layout's windows), which a reshape to (N, K, ...) would copy whole (K x the batch's V_d-wide rows)

@@ -26,6 +26,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
+from vat.imitation import HeadLogits, anchor_chunks
+
 ACCEPTANCE_RULES = ("greedy", "expected", "sampled")
 
 
@@ -365,6 +367,34 @@ def sampled_accept(q: Tensor, p_on_draft: Tensor, generator: torch.Generator | N
     return (u * qd < pd).float().reshape(lead)  # u < p/q  <=>  accept w.p. min(1, p/q)
 
 
+@torch.no_grad()
+def position_accept(
+    draft_logits: Tensor | HeadLogits, target: TargetDist, acceptance: str, generator: torch.Generator | None = None,
+) -> Tensor:
+    """``(..., K)`` fp32 per-position acceptance under ``acceptance`` (before the chain rule and the valid mask).
+
+    From :class:`HeadLogits` it is read a chunk of anchors at a time (its ``chunk_mb`` of fp32 ``(K, V)`` logits
+    each): the same values as from the materialised logits for ``greedy`` and ``expected``, the same distribution
+    (other draws) for ``sampled``.
+    """
+    if not isinstance(draft_logits, HeadLogits):
+        return _accept(draft_logits, target, acceptance, generator)
+    lead = tuple(draft_logits.shape[:-2])
+    chunk = draft_logits.chunk_anchors()
+    m = torch.zeros(draft_logits.shape[:-1], dtype=torch.float32, device=draft_logits.device)  # (..., K)
+    for index in anchor_chunks(lead, chunk):
+        m[index] = _accept(draft_logits[index], target.apply(lambda x, i=index: x[i]), acceptance, generator)
+    return m
+
+
+def _accept(draft_logits: Tensor, target: TargetDist, acceptance: str, generator: torch.Generator | None) -> Tensor:
+    if acceptance == "greedy":
+        return greedy_accept(draft_logits, target.argmax_draft)  # (..., K)
+    q = draft_logits.float().softmax(-1)  # (..., K, V_d)
+    p = target.probs_on_draft()  # (..., K, V_d)
+    return expected_accept(q, p) if acceptance == "expected" else sampled_accept(q, p, generator)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # chain statistics
 # ----------------------------------------------------------------------------------------------------------------------
@@ -471,7 +501,7 @@ class VerificationResult:
 
 @torch.no_grad()
 def simulate_verification(
-    draft_logits: Tensor,
+    draft_logits: Tensor | HeadLogits,
     target: Union[TargetDist, Tensor],
     valid: Tensor | None = None,
     *,
@@ -490,7 +520,8 @@ def simulate_verification(
     instead of 1 (the upper bound, which pulls VAT toward uniform weights when many positions are censored).
 
     Args:
-        draft_logits: ``(..., K, V_d)`` draft logits over the draft vocab (detached internally).
+        draft_logits: ``(..., K, V_d)`` draft logits over the draft vocab (detached internally), or
+            :class:`vat.imitation.HeadLogits` (read a chunk at a time: :func:`position_accept`).
         target: a :class:`TargetDist` with fields ``(..., K[, V_d])`` (e.g. from :meth:`TargetDist.gather_ttt`), or
             raw target logits ``(..., K, V)`` (then ``draft_to_target`` maps the draft vocab into it).
         valid: ``(..., K)`` bool; None = all valid.
@@ -510,12 +541,7 @@ def simulate_verification(
     if valid is None:
         valid = torch.ones(draft_logits.shape[:-1], dtype=torch.bool, device=draft_logits.device)
     valid = valid.bool()  # (..., K)
-    if acceptance == "greedy":
-        m = greedy_accept(draft_logits, target.argmax_draft)  # (..., K)
-    else:
-        q = draft_logits.float().softmax(-1)  # (..., K, V_d)
-        p = target.probs_on_draft()  # (..., K, V_d)
-        m = expected_accept(q, p) if acceptance == "expected" else sampled_accept(q, p, generator)
+    m = position_accept(draft_logits, target, acceptance, generator)  # (..., K)
     m = m * valid.float()  # (..., K)
     if censored is not None:
         censored = censored.bool()

@@ -38,6 +38,7 @@ from vat.drafters.eagle3 import VH_PRIOR
 from vat.drafters.eagle3_layer import FrozenEmbedding
 from vat.drafters.sparse_attention import attention_with_private_keys, flex_block_attention, resolve_attention_impl
 from vat.errors import VatError
+from vat.imitation import HeadLogits
 
 
 class FrozenLMHead(nn.Module):
@@ -166,12 +167,13 @@ class DFlashBlockOutput:
     Index ``[b, n, k]`` = row b, block (anchor) n, slot k; slot k predicts token ``anchor + 1 + k``.
 
     Attributes:
-        logits: (B, N, K, V) logits over the target vocabulary (the target's LM head).
+        logits: (B, N, K, V) logits over the target vocabulary (the target's LM head), or their
+            :class:`vat.imitation.HeadLogits` (training with ``head_logits``).
         hidden: (B, N, K, H) the slots' normed hidden states (what the LM head and the verification head read).
         vh_logits: (B, N, K) verification-head logits (apply sigmoid), or None without a head.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | HeadLogits
     hidden: torch.Tensor
     vh_logits: torch.Tensor | None = None
 
@@ -298,13 +300,17 @@ class DFlashDrafter(nn.Module):
             x = layer(x, kv, cos, sin, mask)
         return self.norm(x)
 
-    def readout(self, normed: torch.Tensor, vh_detach: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Normed hidden (…, H) -> logits (…, V) through the target's LM head, and VH logits (…,) or None."""
+    def readout(self, normed: torch.Tensor, vh_detach: bool = False,
+                head_logits: float | None = None) -> tuple[torch.Tensor | HeadLogits, torch.Tensor | None]:
+        """Normed hidden (…, H) -> logits (…, V) through the target's LM head (or, with ``head_logits`` = MiB per
+        chunk, the :class:`vat.imitation.HeadLogits` the loss runs a chunk at a time), and VH logits (…,) or None."""
         if self.lm_head is None:
             raise VatError("the draft has no LM head: call set_lm_head(target LM head weight) first")
         vh = None
         if self.verification_head is not None:
             vh = self.verification_head(normed.detach() if vh_detach else normed).squeeze(-1)
+        if head_logits is not None:
+            return HeadLogits(normed, self.lm_head.weight, float(head_logits)), vh
         return self.lm_head(normed), vh
 
     def block_input(self, anchor_ids: torch.Tensor) -> torch.Tensor:
@@ -323,6 +329,7 @@ class DFlashDrafter(nn.Module):
         attention_mask: torch.Tensor | None = None,
         vh_detach: bool = False,
         attention: str = "auto",
+        head_logits: float | None = None,
     ) -> DFlashBlockOutput:
         """Draft one block per anchor, every block of the batch in one pass.
 
@@ -340,6 +347,9 @@ class DFlashDrafter(nn.Module):
                 ``blockwise`` (each block scores only its own keys beside the context:
                 :mod:`vat.drafters.sparse_attention`), ``flex`` (flex_attention with a block mask of the same rule;
                 CUDA) or ``auto`` (blockwise on CPU, dense elsewhere).
+            head_logits: fp32 MiB per chunk: return the logits as :class:`vat.imitation.HeadLogits` (the slots'
+                hidden states and the LM head, read a chunk at a time: training with ``loss.imitation_chunk_mb``);
+                None = materialised logits.
 
         Returns:
             :class:`DFlashBlockOutput` with logits (B, N, K, V), hidden (B, N, K, H), vh_logits (B, N, K) or None.
@@ -372,7 +382,7 @@ class DFlashDrafter(nn.Module):
             mask = torch.cat([sees, own], dim=-1)[:, None]  # (B, 1, Q, T + Q)
             normed = self.run_block(block_ids, block_pos, context_kv, mask)  # (B, Q, H)
         slots = normed.view(B, N, Bs, -1)[:, :, 1:]  # (B, N, K, H): position 0 is the anchor itself
-        logits, vh = self.readout(slots, vh_detach)
+        logits, vh = self.readout(slots, vh_detach, head_logits)
         return DFlashBlockOutput(logits=logits, hidden=slots, vh_logits=vh)
 
     # -- inference with a context cache ---------------------------------------------------------------------------

@@ -75,5 +75,6 @@ class DFlashKind(DrafterKind):
                                        gen).to(batch["input_ids"].device)  # (B, N)
         with autocast():
             out = drafter(tout.aux_hidden, batch["input_ids"], anchors, batch["attention_mask"],
-                          vh_detach=cfg.loss.vh_detach, attention=cfg.drafter.attention)
+                          vh_detach=cfg.loss.vh_detach, attention=cfg.drafter.attention,
+                          head_logits=cfg.loss.imitation_chunk_mb)
         return block_slots(out, dist, batch, tout.topk_ids, num_experts, anchors, bool(cfg.loss.onpolicy_chain))
