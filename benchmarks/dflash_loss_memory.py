@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import sys
-
 from dataclasses import replace
 
 import torch
