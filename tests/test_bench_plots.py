@@ -158,9 +158,22 @@ def test_front_ratios_flags_and_goal_score_by_hand():
         for key in ("tau_ratio", "mib_ratio"):
             assert p[key]["low"] <= p[key]["value"] <= p[key]["high"]
     assert {k for k, p in points.items() if p["front"]} == {("vat", "4"), ("vat", "none")}
-    lines = _front_lines({"front": {"b": list(points.values())}, "reference": "eagle3", "benchmarks": ["b"]}, 95)
-    table = [line for line in lines if line.startswith("| ")]
-    assert len(table) == 5 and all(line.count("|") == table[0].count("|") for line in table)
+    results = {"vat": {"4": {"b": {"modeled_speedup": {"value": 1.234, "low": 1.1, "high": 1.3}}}}}
+    lines = _front_lines({"front": {"b": list(points.values())}, "reference": "eagle3", "benchmarks": ["b"],
+                          "results": results}, 95)
+    # lossless (natural routing) and lossy (budgeted) points in two tables, each with its own columns
+    lossless = lines[lines.index("Lossless: natural routing, the target's own output distribution:") + 2:]
+    lossless = lossless[: lossless.index("")]
+    lossy = lines[next(i for i, line in enumerate(lines) if line.startswith("Lossy:")) + 2:]
+    lossy = lossy[: lossy.index("")]
+    assert len(lossless) == 5 and len(lossy) == 3
+    assert all(row.split(" | ")[1] == "none" for row in lossless[2:]) and lossy[2].startswith("| vat | 4 |")
+    for table in (lossless, lossy):
+        assert all(line.count("|") == table[0].count("|") for line in table)
+    assert "agreement" not in lossless[0] and "KL to natural" in lossy[0]
+    assert "modeled speed-up over AR" in lossy[0] and "1.234 [1.100, 1.300]" in lossy[2]
+    assert "modeled speed-up over AR" not in lossless[0]  # no lossless point has a cost model's figure here
+    table = lossless + lossy
     assert "`vat` at budget 4 meets the goal (score 0.99)." in lines
     assert vat4["goal_score_stepwise"] == pytest.approx(max(0.34375 / 0.70, 0.98 / 1.0, 0.95 / 0.99))
     assert vat["goal_score_stepwise"] == vat["goal_score"]  # natural routing: both agreements are 100 %

@@ -681,24 +681,22 @@ def _front_lines(summary: dict, conf: int) -> list[str]:
              f"Every method x budget against `{ref}` at natural routing (paired ratios, {conf} % intervals). Goal "
              f"(issue 16): <= {GOAL_BYTES:.2f}x its MiB per token at >= {GOAL_TAU:.2f}x its τ with agreement >= "
              f"{100 * GOAL_AGREEMENT:.0f} %; goal score = max(MiB ratio / {GOAL_BYTES:.2f}, {GOAL_TAU:.2f} / τ ratio, "
-             f"{GOAL_AGREEMENT:.2f} / agreement), <= 1 when all three hold. Front = no point reads fewer bytes at a "
-             "higher τ. Agreement (and stepwise agreement: the share of the output's tokens the natural target picks "
-             "greedily after the same prefix) is 100 % at natural routing (greedy decoding is lossless).", ""]
+             f"{GOAL_AGREEMENT:.2f} / agreement), <= 1 when all three hold. Front = no point (lossless or lossy) "
+             "reads fewer bytes at a higher τ. Lossless and lossy points are tabled apart; agreement (and stepwise "
+             "agreement: the share of the output's tokens the natural target picks greedily after the same prefix) is "
+             "100 % at natural routing (greedy decoding is lossless).", ""]
     for bench in summary["benchmarks"]:
         points = front.get(bench)
         if not points:
             continue
-        lines += [f"### {bench}", "",
-                  f"| method | budget | τ | τ / {ref} natural [{conf} % CI] | MiB/token | MiB / {ref} natural "
-                  f"[{conf} % CI] | agreement | stepwise agreement | KL to natural | front | goal score |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for p in points:
-            kl = "–" if p["kl_to_natural"] is None else f"{p['kl_to_natural']:.4f}"
-            lines.append(f"| {p['label']} | {p['budget']} | {p['tau']:.3f} | {_fmt(p['tau_ratio'])} | "
-                         f"{p['mib_per_token']:.2f} | {_fmt(p['mib_ratio'])} | {_percent(p['agreement'])} | "
-                         f"{_percent(p.get('stepwise_agreement'))} | {kl} | "
-                         f"{'yes' if p['front'] else ''} | {p['goal_score']:.2f} |")
-        lines.append("")
+        lines += [f"### {bench}", ""]
+        results = summary.get("results") or {}
+        for lossy, title in ((False, "Lossless: natural routing, the target's own output distribution"),
+                             (True, "Lossy: expert budgets and budget policies change the output (quality beside "
+                                    "τ)")):
+            part = [p for p in points if (p["budget"] != NO_BUDGET) == lossy]
+            if part:
+                lines += [f"{title}:", ""] + _front_table(part, results, bench, ref, conf, lossy) + [""]
         for key, measure in (("goal_score", ""), ("goal_score_stepwise", "Secondary (a metric added after the goal was "
                                                                          "set; the verdict is the line above): with "
                                                                          "the stepwise agreement in its place, ")):
@@ -708,6 +706,28 @@ def _front_lines(summary: dict, conf: int) -> list[str]:
             verdict = "meets the goal" if best[key] <= 1 else "is the closest to the goal"
             lines.append(f"{measure}`{best['label']}` at budget {best['budget']} {verdict} (score {best[key]:.2f}).")
         lines.append("")
+    return lines
+
+
+def _front_table(points: list[dict], results: dict, bench: str, ref: str, conf: int, lossy: bool) -> list[str]:
+    """One front table (the lossless or the lossy points of a benchmark): τ and bytes against the reference's natural
+    routing, the modeled speed-up over AR where a cost model ran, and for lossy points their quality."""
+    def speedup(p: dict) -> str:
+        stats = results.get(p["label"], {}).get(p["budget"], {}).get(bench) or {}
+        return _fmt(stats.get("modeled_speedup"))
+
+    modeled = any(speedup(p) != "–" for p in points)
+    quality_head = "agreement | stepwise agreement | KL to natural | " if lossy else ""
+    head = (f"| method | budget | τ | τ / {ref} natural [{conf} % CI] | MiB/token | MiB / {ref} natural [{conf} % CI] | "
+            + ("modeled speed-up over AR (bytes model) | " if modeled else "") + quality_head + "front | goal score |")
+    lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
+    for p in points:
+        kl = "–" if p["kl_to_natural"] is None else f"{p['kl_to_natural']:.4f}"
+        quality = (f"{_percent(p['agreement'])} | {_percent(p.get('stepwise_agreement'))} | {kl} | " if lossy else "")
+        lines.append(f"| {p['label']} | {p['budget']} | {p['tau']:.3f} | {_fmt(p['tau_ratio'])} | "
+                     f"{p['mib_per_token']:.2f} | {_fmt(p['mib_ratio'])} | "
+                     + (f"{speedup(p)} | " if modeled else "") + quality
+                     + f"{'yes' if p['front'] else ''} | {p['goal_score']:.2f} |")
     return lines
 
 
