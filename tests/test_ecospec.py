@@ -11,9 +11,9 @@ from tiny_models import cached_greedy_reference
 
 from vat.data_prep.affinity import affinity_from_routing
 from vat.errors import VatError
-from vat.eval.ecospec import EcoSpec, ExpertPredictor, ecospec_nodes
+from vat.eval.ecospec import CostAwareExpansion, EcoSpec, ExpertPredictor, ecospec_nodes
 from vat.eval.engine import SpeculativeEngine
-from vat.eval.tree import TreeSpec, _Node, best_nodes
+from vat.eval.tree import TreeSpec, _Node, best_candidates, best_nodes
 
 NEW_TOKENS = 24
 TREES = [TreeSpec(2, 3, 5), TreeSpec(4, 4, 12), TreeSpec(3, 6, 20)]
@@ -43,13 +43,13 @@ def _pools(target, draft, prompt, tree, ecospec=None):
     records = []
     build = engine_module.build_tree
 
-    def recording(state, head, spec, vh_threshold=None, select=None):
+    def recording(state, head, spec, vh_threshold=None, select=None, expand=None):
         def keep(pool, total):
             chosen = (select or best_nodes)(pool, total)
             records.append((list(pool), total, chosen))
             return chosen
 
-        return build(state, head, spec, vh_threshold=vh_threshold, select=keep)
+        return build(state, head, spec, vh_threshold=vh_threshold, select=keep, expand=expand)
 
     engine_module.build_tree = recording
     try:
@@ -130,6 +130,49 @@ def test_ecospec_cost_on_a_hand_pool():
     assert ecospec_nodes(pool, 2, predictor, 1, 1.0) == [1, 2]
     with pytest.raises(VatError, match="ecospec-lambda"):
         EcoSpec(predictor, lam=-1.0)
+
+
+def test_cost_aware_expansion_on_a_hand_level():
+    """The hand pool's table (root token 1 -> expert 0). A level of four candidates: scores -0.5 (token 3: new expert
+    3), -0.5 (token 2: covered), -0.55 (token 4: half new), -0.6 (token 3 again). Confidence expands [0, 1] (top 2,
+    ties to the earlier). At λ = 1 the covered node 1 goes first (key -0.5), then node 2 (-1.05) before node 0 (-1.5).
+    The buffer carries over to the next level: once a token-3 node is expanded, expert 3 costs nothing."""
+    h = torch.zeros(1)
+    table = torch.zeros(8, 1, 4)
+    table[1, 0, 0] = table[2, 0, 0] = table[3, 0, 3] = 1.0
+    table[4, 0, 1] = table[4, 0, 0] = 0.5
+    predictor = ExpertPredictor(table=table, rows=torch.arange(8), marginal=table.mean(0))
+    pool = [_Node(3, -1, 1, -0.5, h), _Node(2, -1, 1, -0.5, h), _Node(4, -1, 1, -0.55, h), _Node(3, -1, 1, -0.6, h)]
+    level = [0, 1, 2, 3]
+    assert best_candidates(pool, level, 2) == [0, 1]
+    assert CostAwareExpansion(predictor, 1, 0.0)(pool, level, 2) == [0, 1]  # λ = 0: confidence's picks and order
+    assert CostAwareExpansion(predictor, 1, 1e-9)(pool, level, 2) == [1, 0]  # a vanishing λ breaks the tie by cost
+    expand = CostAwareExpansion(predictor, 1, 1.0)
+    assert expand(pool, level, 2) == [1, 2]
+    # next level: a token-3 child (-0.9) against a token-2 child (-1.0): expert 3 is still new (cost 1) -> token 2
+    pool += [_Node(3, 1, 2, -0.9, h), _Node(2, 1, 2, -1.0, h)]
+    assert expand(pool, [4, 5], 1) == [5]
+    # expanding a token-3 node covers expert 3 for what follows in the same tree
+    assert expand(pool, [4], 1) == [4] and float(expand.miss[0, 3]) == 0.0
+    assert EcoSpec(predictor, lam=0.0).expander(1) is None  # λ = 0 leaves the expansion to confidence
+
+
+@pytest.mark.parametrize("tree", TREES[1:], ids=str)
+def test_a_heavy_lambda_changes_what_the_tree_expands(setup, tree):
+    """Real drafted trees: with λ = 50 the pools the final selection sees differ from confidence expansion's (the
+    cost entered the expansion, not only the selection), and every pool is still a tree (parents expanded first)."""
+    _, target, drafts, prompts, predictor = setup
+    changed = 0
+    for draft in drafts.values():
+        for prompt in prompts[1:]:
+            _, plain = _pools(target, draft, prompt, tree)
+            _, heavy = _pools(target, draft, prompt, tree, EcoSpec(predictor, lam=50.0))
+            for pool, _, _ in heavy:
+                assert all(node.parent < 0 or pool[node.parent].depth == node.depth - 1 for node in pool)
+            first = [(tuple((n.token, n.parent) for n in p)) for p, _, _ in plain[:1]]
+            again = [(tuple((n.token, n.parent) for n in p)) for p, _, _ in heavy[:1]]
+            changed += first != again  # the first round has the same context: only the expansion differs
+    assert changed > 0
 
 
 def test_predictor_reads_a_draft_table_through_its_vocab(tmp_path):

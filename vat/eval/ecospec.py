@@ -14,6 +14,10 @@ nats per expected new expert per layer. ``exp(key)`` = P(v) · exp(−λ c(v)): 
 At λ = 0 the greedy pick over the frontier is exactly confidence selection (the same nodes in the same order, same
 tie-breaks: see :func:`ecospec_nodes`). The verification rule is untouched, so outputs keep the target's distribution.
 
+The cost also enters the expansion (:class:`CostAwareExpansion`): the dynamic tree drafts the children of at most
+``top_k`` nodes per level, and EcoSpec picks those by the same key against a buffer of the nodes expanded so far, so
+the pool the final selection chooses from already leans toward covered experts.
+
 The root token's routing is not known before the block: the target reads the root for the first time in this very
 verification forward (it was the previous round's output), so its experts are predicted like every node's.
 """
@@ -121,6 +125,46 @@ class EcoSpec(RoundPolicy):
     def selector(self, root: int):
         """The ``select`` argument of :func:`vat.eval.tree.build_tree` for a block whose root is ``root``."""
         return lambda pool, total: ecospec_nodes(pool, total, self.predictor, root, self.lam)
+
+    def expander(self, root: int):
+        """The ``expand`` argument of :func:`vat.eval.tree.build_tree`: cost-aware expansion (:class:`CostAwareExpansion`,
+        one per tree, so its expert buffer spans the tree's levels); None at λ = 0 (confidence expansion)."""
+        return CostAwareExpansion(self.predictor, root, self.lam) if self.lam > 0 else None
+
+
+class CostAwareExpansion:
+    """EcoSpec's cost during expansion: which of a level's candidates the next draft step expands.
+
+    The same key as the node selection, ``log P(v) − λ · c(v)``, picked greedily (at most ``top_k`` per level): c(v)
+    is the expected number of experts per layer v adds to a buffer holding the root's predicted experts and those of
+    every node expanded so far in this tree (earlier levels first, then this level's picks in order). At λ = 0 the
+    picks are :func:`vat.eval.tree.best_candidates`' (same nodes, same order, same tie-break: the earlier candidate).
+
+    Args:
+        predictor: the expert predictor.
+        root: the block's root token (target id).
+        lam: λ.
+    """
+
+    def __init__(self, predictor: ExpertPredictor, root: int, lam: float) -> None:
+        self.predictor, self.lam = predictor, lam
+        self.miss = 1.0 - predictor([root])[0]  # (L', E) P(expert not yet in the buffer)
+
+    def __call__(self, pool: list, candidates: list[int], top_k: int) -> list[int]:
+        if not candidates:
+            return []
+        probs = self.predictor([pool[c].token for c in candidates])  # (n, L', E)
+        layers = probs.shape[1]
+        remaining = list(range(len(candidates)))
+        chosen: list[int] = []
+        while remaining and len(chosen) < top_k:
+            cost = (probs[remaining] * self.miss).sum(dim=(1, 2)) / layers  # (R,) expected new experts per layer
+            keys = [(pool[candidates[j]].score - self.lam * float(c), -j) for j, c in zip(remaining, cost.tolist())]
+            j = remaining[max(range(len(remaining)), key=keys.__getitem__)]
+            chosen.append(candidates[j])
+            remaining.remove(j)
+            self.miss = self.miss * (1.0 - probs[j])
+        return chosen
 
 
 def ecospec_nodes(pool: list, total: int, predictor: ExpertPredictor, root: int, lam: float) -> list[int]:

@@ -300,10 +300,17 @@ class SpeculativeEngine:
 
     def _selector(self, root: int):
         """The tree's node selection of this round (None = by log-probability): at most one policy gives one."""
-        selectors = [s for p in self.policies if (s := p.selector(root)) is not None]
-        if len(selectors) > 1:
-            raise VatError(f"{len(selectors)} policies choose the tree's nodes: keep one")
-        return selectors[0] if selectors else None
+        return self._one_hook("selector", root, "choose the tree's nodes")
+
+    def _expander(self, root: int):
+        """Which candidates each draft step of this round's tree expands (None = by log-probability)."""
+        return self._one_hook("expander", root, "choose the nodes a draft step expands")
+
+    def _one_hook(self, name: str, root: int, what: str):
+        hooks = [h for p in self.policies if (h := getattr(p, name)(root)) is not None]
+        if len(hooks) > 1:
+            raise VatError(f"{len(hooks)} policies {what}: keep one")
+        return hooks[0] if hooks else None
 
     def _union(self, topk_ids: torch.Tensor) -> list[int]:
         """(L', 1, T, k) executed ids of one verification forward -> experts per layer (the block is one window)."""
@@ -356,7 +363,8 @@ class SpeculativeEngine:
     def _tree_round(self, cache, state: DraftState, head: DraftHead, root: int, generator) -> _Outcome:
         device = self.target.device
         n = cache_length(cache)
-        tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold, select=self._selector(root))
+        tree = build_tree(state, head, self.tree, vh_threshold=self.vh_threshold, select=self._selector(root),
+                          expand=self._expander(root))
         drafted_depth = tree.drafted_depth  # levels drafted: the selection (and a cut) may keep fewer
         for p in self.policies:
             tree = p.cut_tree(tree, n, self.tree.top_k)

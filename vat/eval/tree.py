@@ -137,6 +137,7 @@ def _vh_prob(vh_logit: float | None) -> float:
 def build_tree(
     state: DraftState, head: DraftHead, spec: TreeSpec, vh_threshold: float | None = None,
     select: Callable[[list[_Node], int], list[int]] | None = None,
+    expand: Callable[[list[_Node], list[int], int], list[int]] | None = None,
 ) -> DraftTree:
     """Draft a dynamic tree from the head (speculative draft-cache entries are cropped before returning).
 
@@ -147,6 +148,8 @@ def build_tree(
         vh_threshold: do not expand a node whose verification-head probability is below this (None = never).
         select: which ``total_tokens`` pool nodes to keep (pool indices, ancestor-closed); None = the best by
             cumulative score (:func:`best_nodes`). EcoSpec (:mod:`vat.eval.ecospec`) passes its own.
+        expand: which of a level's candidates (pool indices) the next draft step expands, at most ``top_k`` of them;
+            None = the best by cumulative score (:func:`best_candidates`). EcoSpec passes its cost-aware one.
 
     Returns:
         The :class:`DraftTree` (possibly empty).
@@ -161,7 +164,8 @@ def build_tree(
     for depth in range(2, spec.depth + 1):
         if not frontier:
             break
-        frontier = _expand(state, head, pool, frontier, prefix, depth, spec.top_k, threshold)
+        frontier = _expand(state, head, pool, frontier, prefix, depth, spec.top_k, threshold,
+                           expand or best_candidates)
     state.cache.crop(prefix)
     tree = tree_of(pool, (select or best_nodes)(pool, spec.total_tokens))
     tree.drafted_depth = max((node.depth for node in pool), default=0)  # the cost model prices these forwards
@@ -170,7 +174,7 @@ def build_tree(
 
 def _expand(
     state: DraftState, head: DraftHead, pool: list[_Node], frontier: list[int], prefix: int, depth: int,
-    top_k: int, threshold: float,
+    top_k: int, threshold: float, choose: Callable[[list[_Node], list[int], int], list[int]],
 ) -> list[int]:
     """Run one draft step over the frontier nodes (depth - 1) and return the next frontier (depth)."""
     cache = state.cache
@@ -192,8 +196,12 @@ def _expand(
             continue
         candidates += _add_children(pool, v, out.logits[0, i], out.hidden[0, i], pool[v].score, depth, state, top_k,
                                     None if vh is None else _vh_prob(vh))
-    candidates.sort(key=lambda c: -pool[c].score)
-    return candidates[:top_k]
+    return choose(pool, candidates, top_k)
+
+
+def best_candidates(pool: list[_Node], candidates: list[int], top_k: int) -> list[int]:
+    """The ``top_k`` candidates of best cumulative score (ties: the earlier candidate), best first."""
+    return sorted(candidates, key=lambda c: -pool[c].score)[:top_k]
 
 
 def best_nodes(pool: list[_Node], total: int) -> list[int]:

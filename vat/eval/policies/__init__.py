@@ -5,7 +5,8 @@ else in the engine or in `vat eval` names it. Two classes describe it:
 
 * :class:`RoundPolicy`: the hooks :class:`vat.eval.engine.SpeculativeEngine` calls in every round (its ``policies``
   keyword): cut a drafted chain / DFlash block (:meth:`RoundPolicy.cut_chain`) or tree
-  (:meth:`RoundPolicy.cut_tree`), choose the tree's nodes (:meth:`RoundPolicy.selector`), adjust the verification
+  (:meth:`RoundPolicy.cut_tree`), choose the tree's nodes (:meth:`RoundPolicy.selector`) and the nodes each draft step
+  expands (:meth:`RoundPolicy.expander`), adjust the verification
   forward's expert budget (:meth:`RoundPolicy.budget_spec`). Each is a no-op here; a policy overrides the ones it needs.
 * :class:`EvalPolicy`: the registry entry. It declares its name, the :class:`vat.eval.config.EvalConfig` field that
   picks it (``tree_policy``: selection policies; ``policy``: the eval side of a budget policy whose expert-set rule is
@@ -46,6 +47,11 @@ class RoundPolicy:
     def selector(self, root: int) -> Any:
         """The ``select`` of :func:`vat.eval.tree.build_tree` for a block whose root is ``root`` (None = by
         log-probability); at most one policy of a pass returns one."""
+        return None
+
+    def expander(self, root: int) -> Any:
+        """The ``expand`` of :func:`vat.eval.tree.build_tree` for a block whose root is ``root``: which candidates each
+        draft step expands (None = by log-probability); at most one policy of a pass returns one."""
         return None
 
     def budget_spec(self, spec: BudgetSpec) -> BudgetSpec:
