@@ -91,6 +91,21 @@ def _add_prep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.set_defaults(func=_dispatch("vat.data_prep.affinity:main"))
 
+    p = steps.add_parser("expert-probe", help="EcoSpec's context-aware expert predictor: a probe on an EAGLE-3 draft's "
+                         "states, fitted to the target's routing over a prepared dataset (held-out rows measure it "
+                         "against the affinity table)")
+    p.add_argument("--draft", required=True, help="EAGLE-3 draft directory (its affinity.safetensors is the prior)")
+    p.add_argument("--data", required=True, help="prepared dataset directory (e.g. the draft's training data)")
+    p.add_argument("--output", required=True, help="output .safetensors (`vat eval --affinity` reads it)")
+    p.add_argument("--target", default=None, help="target model path (default: the one the draft records)")
+    p.add_argument("--affinity", default=None, help="the prior table (default: the draft's affinity.safetensors)")
+    p.add_argument("--limit", type=int, default=256, help="rows of the dataset to capture (default 256)")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per row (default 512)")
+    p.add_argument("--steps", type=int, default=6, help="draft steps per anchor: the tree depths served (default 6)")
+    p.add_argument("--holdout", type=float, default=0.2, help="share of the rows held out to measure the probe")
+    p.add_argument("--epochs", type=int, default=40, help="passes over the fitting pairs (default 40)")
+    p.set_defaults(func=_dispatch("vat.eval.expert_probe:main"))
+
     p = steps.add_parser("capture", help="run the target once over a prepared dataset and store its features "
                          "(aux + last hidden states, routing) for `data.capture` training")
     p.add_argument("--target", required=True, help="target model path (or tiny / tiny-quick)")

@@ -32,6 +32,7 @@ from safetensors import safe_open
 
 from vat.data_prep.vocab import target_to_draft_ids
 from vat.errors import VatError, require_file
+from vat.eval.expert_probe import ExpertProbe, load_probe
 from vat.eval.policies import RoundPolicy
 
 AFFINITY_FILE = "affinity.safetensors"  # a vat draft directory's own table (trainer output)
@@ -52,14 +53,24 @@ class ExpertPredictor:
     rows: torch.Tensor
     marginal: torch.Tensor
     source: str = ""
+    probe: ExpertProbe | None = None
 
-    def __call__(self, target_ids: list[int]) -> torch.Tensor:
-        """(n, L', E) fp32 predicted expert probabilities of each token."""
+    def __call__(self, target_ids: list[int], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, L', E) fp32 predicted expert probabilities of each token: the table's, or with a probe and the draft
+        states that produced the tokens (``hidden`` (n, H)) the probe's, which reads the context."""
         ids = torch.as_tensor(target_ids, dtype=torch.long)
         rows = self.rows[ids.clamp(0, self.rows.numel() - 1)]  # (n,)
         known = (ids >= 0) & (ids < self.rows.numel()) & (rows >= 0)
         out = self.table[rows.clamp_min(0)]  # (n, L', E)
-        return torch.where(known[:, None, None], out, self.marginal[None])
+        prior = torch.where(known[:, None, None], out, self.marginal[None])
+        if self.probe is None or hidden is None or not len(target_ids):
+            return prior
+        return self.probe(hidden.to(self.probe.weight.device).float(), prior)
+
+    def nodes(self, pool: list, indices: list[int]) -> torch.Tensor:
+        """(n, L', E) predictions for pool nodes (their tokens; with a probe, the states that produced them)."""
+        hidden = torch.stack([pool[i].parent_hidden for i in indices]) if self.probe is not None and indices else None
+        return self([pool[i].token for i in indices], hidden)
 
     @classmethod
     def load(cls, path: str, vocab_size: int, t2d: torch.Tensor | None = None) -> ExpertPredictor:
@@ -103,7 +114,7 @@ class ExpertPredictor:
             )
         if marginal is None:
             marginal = table.mean(0)  # (L', E): a vat draft's table stores no marginal
-        return cls(table=table, rows=rows, marginal=marginal, source=path)
+        return cls(table=table, rows=rows, marginal=marginal, source=path, probe=load_probe(path))
 
 
 @dataclass
@@ -153,7 +164,7 @@ class CostAwareExpansion:
     def __call__(self, pool: list, candidates: list[int], top_k: int) -> list[int]:
         if not candidates:
             return []
-        probs = self.predictor([pool[c].token for c in candidates])  # (n, L', E)
+        probs = self.predictor.nodes(pool, candidates)  # (n, L', E)
         layers = probs.shape[1]
         remaining = list(range(len(candidates)))
         chosen: list[int] = []
@@ -188,10 +199,9 @@ def ecospec_nodes(pool: list, total: int, predictor: ExpertPredictor, root: int,
     """
     if not pool or total <= 0:
         return []
-    probs = predictor([root] + [node.token for node in pool])  # (1 + n, L', E)
-    layers = probs.shape[1]
-    miss = 1.0 - probs[0]  # (L', E): P(expert not yet loaded by the block), the root's experts predicted
-    node_probs = probs[1:]  # (n, L', E)
+    miss = 1.0 - predictor([root])[0]  # (L', E): P(expert not yet loaded by the block), the root's experts predicted
+    node_probs = predictor.nodes(pool, list(range(len(pool))))  # (n, L', E)
+    layers = node_probs.shape[1]
     children: list[list[int]] = [[] for _ in range(len(pool))]
     frontier = []
     for i, node in enumerate(pool):
