@@ -27,7 +27,12 @@ def test_cost_model_and_evict_in_eval_json(saved_target_and_draft, spec_bench_fi
     assert (result["cost_model"]["eta"], result["cost_model"]["latency_us"]) == (1.0, 0.0)
     assert result["cost_model"]["kind"] == "bytes model"
     (profile,) = result["evict_profile"].values()  # one benchmark (a file: no dev split, fitted on its own prompts)
-    assert profile["verify_cost"]["source"].startswith("on the fly") and profile["verify_cost"]["widths"][-1] == 5
+    # the trained draft's cost profile comes from its own blocks of the calibration pass (the text profile is unused)
+    assert profile["verify_cost"] is None
+    (drafted,) = profile["verify_cost_drafted"].values()
+    assert drafted["source"].startswith("on the fly: ") and "own blocks" in drafted["source"]
+    assert drafted["widths"] == [1, 2, 3, 4, 5] and drafted["modeled_seconds"] is not None
+    assert all(a <= b for a, b in zip(drafted["union"][0], drafted["union"][-1]))  # a wider prefix covers more
     (calibration,) = profile["calibration"].values()  # the trained draft's (the n-gram draft is never cut)
     assert "no dev split" in calibration["source"] and calibration["nodes"] > 0
     bench = result["benchmarks"][0]

@@ -15,7 +15,13 @@ from vat.eval.cost import CostModel, draft_shape, get_accelerator, target_shape
 from vat.eval.engine import SpeculativeEngine
 from vat.eval.evict import Evict, chain_probs, evict_select, monotone, subtree, tree_probs
 from vat.eval.tree import DraftTree, TreeSpec
-from vat.eval.verify_cost import VerifyCostTable, build_verify_cost, load_verify_cost, own_texts
+from vat.eval.verify_cost import (
+    DraftedUnionRecorder,
+    VerifyCostTable,
+    build_verify_cost,
+    load_verify_cost,
+    own_texts,
+)
 from vat.target import load_target
 
 NEW_TOKENS = 24
@@ -196,3 +202,21 @@ def test_tree_rounds_record_every_level_the_draft_drafted(setup):
     engine = SpeculativeEngine(target, drafts["random"], tree=TreeSpec(4, 5, 3), max_new_tokens=12)
     rounds = engine.generate(prompts[0]).rounds
     assert all(r.drafted_depth == 5 for r in rounds) and max(r.depth for r in rounds) < 5  # 3 nodes of 5 levels
+
+
+def test_drafted_union_recorder_by_hand():
+    """Two MoE layers, E = 4, top-2; a 3-position block (root, then two drafts in the tree's order) and a 2-position
+    one. Layer 0 of block 1 routes {0, 1}, {1, 2}, {1, 4 = dropped slot}: the first w positions cover 2, 3, 3 experts;
+    layer 1 routes {3, 2} everywhere: 2, 2, 2. Block 2 adds width 1 and 2 samples: layer 0 {0, 1} then {2, 3} (2, 4),
+    layer 1 {0, 1}, {0, 1} (2, 2). Means: w = 1: (2, 2), w = 2: (3.5, 2), w = 3: (3, 2) (one block)."""
+    rec = DraftedUnionRecorder(num_experts=4)
+    block1 = torch.tensor([[[0, 1], [1, 2], [1, 4]], [[3, 2], [3, 2], [2, 3]]])  # (L' = 2, T = 3, k = 2)
+    block2 = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [1, 0]]])  # (2, 2, 2)
+    rec.cut_tree(None, 10, 2)
+    rec.executed([], block1)
+    rec.cut_chain(None, 20, "chain")
+    rec.executed([], block2)
+    table = rec.table(source="hand")
+    assert table.widths == [1, 2, 3] and table.n_texts == 2 and table.context == 15.0
+    assert table.union == [[2.0, 2.0], [3.5, 2.0], [3.0, 2.0]]
+    assert table.modeled_seconds is None and DraftedUnionRecorder(4).table() is None

@@ -327,7 +327,7 @@ class SpeculativeEngine:
             E = self.target.num_experts
             expert_sets = [sorted({int(e) for e in layer.flatten().tolist() if e < E}) for layer in ids]
             for p in observers:
-                p.executed(expert_sets)
+                p.executed(expert_sets, ids)
             if self.record_experts:
                 stats.expert_sets = expert_sets
                 stats.input_experts = ids[:, path].permute(1, 0, 2).contiguous()  # (a + 1, L', k)

@@ -1,11 +1,16 @@
 """The verification-cost profile EVICT reads: expert union and modeled time against the verify width.
 
 For each width w (verified tokens: the root plus w - 1 drafts) the profile holds the mean expert union per MoE layer
-of w consecutive positions of the target's *own* text (the prompt, then its greedy answer: what a verification block
-holds when the drafts are accepted), the modeled time of verifying w tokens on the cost model's accelerator at the
-profile's mean context (:mod:`vat.eval.cost`), and the wall time of that forward measured on this device, for
-reference. ``vat profile --verify-widths`` writes it into profile.json (``verify_cost``); ``vat eval --tree-policy
-evict`` reads it back (``--verify-cost FILE``) or builds it on the fly from the evaluation's first prompts.
+of a w-token verification block, the modeled time of verifying w tokens on the cost model's accelerator at the
+profile's mean context (:mod:`vat.eval.cost`), and (for a profile of text) the wall time of that forward measured on
+this device, for reference. Two sources:
+
+* **drafted blocks** (:class:`DraftedUnionRecorder`, what ``vat eval --tree-policy evict`` builds per draft and
+  benchmark during its calibration pass on held-out prompts): the draft's own chains or trees, verified uncut; the
+  union at width w is that of the block's first w positions (the root, then the drafted nodes in the order the tree
+  ranked them: the prefixes EVICT's cut keeps), each position routed as the verification forward routed it;
+* **the target's own text** (:func:`build_verify_cost`, ``vat profile --verify-widths`` and EVICT's fallback): w
+  consecutive positions of the prompt and its greedy answer (what a block holds when every draft is accepted).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from vat.errors import VatError
 from vat.eval.engine import SpeculativeEngine
+from vat.eval.policies import RoundPolicy
 from vat.target import window_union
 from vat.target.cache import crop_cache, new_cache
 
@@ -169,6 +175,58 @@ def build_verify_cost(target, texts: Sequence[tuple[Sequence[int], Sequence[int]
         table.accelerator = cost.accelerator.name
         table.modeled_seconds = [cost.verify(w, int(round(context)), u) for w, u in zip(kept, union)]
     return table
+
+
+class DraftedUnionRecorder(RoundPolicy):
+    """Round hooks that profile the expert union of a draft's own verification blocks, width by width.
+
+    Every verification forward (``executed``) adds, for w = 1 .. its block size, the union per MoE layer of the block's
+    first w positions; the context of each block comes from the cut hooks (called just before verification). The
+    block is verified uncut when this runs beside :class:`vat.eval.calibration.CalibrationRecorder`.
+    """
+
+    observes_experts = True
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.sums: dict[int, torch.Tensor] = {}  # width -> (L',) summed unions
+        self.counts: dict[int, int] = {}
+        self.contexts: list[int] = []
+
+    def cut_chain(self, draft, context: int, mode: str):
+        """Note the block's context; keep the chain."""
+        self.contexts.append(context)
+        return draft
+
+    def cut_tree(self, tree, context: int, top_k: int):
+        """Note the block's context; keep the tree."""
+        self.contexts.append(context)
+        return tree
+
+    def executed(self, expert_sets: list[list[int]], ids: torch.Tensor) -> None:
+        """(L', T, k) executed ids of one block: the union of its first w positions for every w <= T."""
+        L, T = ids.shape[:2]
+        onehot = torch.zeros(L, T, self.num_experts + 1, dtype=torch.bool)
+        onehot.scatter_(-1, ids.long(), True)
+        covered = onehot[..., : self.num_experts].cummax(dim=1).values  # (L', T, E): experts in positions < w + 1
+        union = covered.sum(-1).double()  # (L', T): union of the first w = 1..T positions
+        for w in range(1, T + 1):
+            self.sums[w] = self.sums.get(w, torch.zeros(L, dtype=torch.float64)) + union[:, w - 1]
+            self.counts[w] = self.counts.get(w, 0) + 1
+
+    def table(self, cost=None, source: str = "") -> VerifyCostTable | None:
+        """The profile of the blocks seen (None before any), with modeled times on ``cost``'s accelerator."""
+        widths = sorted(self.counts)
+        if not widths:
+            return None
+        union = [[float(u) for u in self.sums[w] / self.counts[w]] for w in widths]
+        context = sum(self.contexts) / len(self.contexts) if self.contexts else 0.0
+        table = VerifyCostTable(widths=widths, union=union, context=context, source=source,
+                                n_texts=self.counts[widths[0]])
+        if cost is not None:
+            table.accelerator = cost.accelerator.name
+            table.modeled_seconds = [cost.verify(w, int(round(context)), u) for w, u in zip(widths, union)]
+        return table
 
 
 def _sync(device: torch.device) -> None:

@@ -65,9 +65,10 @@ class RoundPolicy:
     #: the engine calls :meth:`executed` after every verification forward only when a policy of the pass sets this
     observes_experts: ClassVar[bool] = False
 
-    def executed(self, expert_sets: list[list[int]]) -> None:
+    def executed(self, expert_sets: list[list[int]], ids: Any) -> None:
         """After a verification forward (``observes_experts`` only): the experts it executed per MoE layer (sorted
-        ids; what the offload model replays)."""
+        ids; what the offload model replays), and per block position (``ids`` (L', T, k) CPU tensor, in block order:
+        the root, then the drafted tokens as verified; sentinel E = a dropped slot)."""
 
     def start_pass(self) -> None:
         """Before the first scored prompt of a pass (after the engine's warm-up): forget what the warm-up did."""

@@ -38,7 +38,7 @@ class LiveResidency:
         """Empty caches (warm-started like the offload model's: the first C experts of each layer fill free slots)."""
         self.caches = []
 
-    def executed(self, expert_sets: list[list[int]]) -> None:
+    def executed(self, expert_sets: list[list[int]], ids=None) -> None:
         """One verification forward's executed experts per layer, in decode order."""
         if not self.caches:
             self.caches = [ResidencyCache(self.capacity, self.policy) for _ in expert_sets]
@@ -71,7 +71,7 @@ class AcceptMoEBudget(RoundPolicy):
             return spec
         return replace(spec, acceptmoe=replace(self.weighting, residency=self.residency))
 
-    def executed(self, expert_sets: list[list[int]]) -> None:
+    def executed(self, expert_sets: list[list[int]], ids=None) -> None:
         """Feeds the live residency (when pruning against one)."""
         if self.residency is not None:
             self.residency.executed(expert_sets)
