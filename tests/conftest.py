@@ -1,6 +1,5 @@
 """Shared test set-up. TRITON_INTERPRET must be set before any kernel module is imported (docs/kernels.md)."""
 
-import json
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,23 +54,15 @@ def one_thread():
 @pytest.fixture(scope="module")
 def train_workspace(tmp_path_factory):
     """A saved tiny OLMoE target and a prepared chat dataset built with its tokenizer (`vat train` tests)."""
+    from helpers import write_reversed_chats
     from tiny_models import save_tiny_target
 
     from vat.data_prep.chat import prepare_chat
 
     root = tmp_path_factory.mktemp("train")
     target = save_tiny_target(root / "target", "olmoe", num_experts=8, top_k=2)
-    rows = []
-    with open(SPEC_BENCH) as f:
-        for i, line in enumerate(f):
-            if i >= 48:
-                break
-            q = json.loads(line)["turns"][0][:200]
-            answer = " ".join(reversed(q.split()))[:160]
-            rows.append({"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": answer}]})
-    chats = root / "chats.jsonl"
-    chats.write_text("\n".join(json.dumps(r) for r in rows))
-    prepare_chat(str(chats), target, str(root / "data"), max_length=256, progress=False)
+    chats = write_reversed_chats(root / "chats.jsonl", 48)
+    prepare_chat(chats, target, str(root / "data"), max_length=256, progress=False)
     return {"target": target, "data": str(root / "data"), "root": root}
 
 

@@ -473,3 +473,22 @@ class PeakTensorBytes(TorchDispatchMode):
                     self.current += storage.nbytes()
                     self.peak = max(self.peak, self.current)
         return out
+
+
+def write_reversed_chats(path, rows: int, question_chars: int = 200, answer_chars: int = 160) -> str:
+    """A chat file of the packaged Spec-Bench questions' first ``rows``, each answered by its words reversed (cut to
+    ``question_chars`` / ``answer_chars``): a small, deterministic training set for a tiny target."""
+    from vat.eval.benchmarks import SPEC_BENCH_FILE
+
+    out = []
+    with open(SPEC_BENCH_FILE) as f:
+        for i, line in enumerate(f):
+            if i >= rows:
+                break
+            q = json.loads(line)["turns"][0][:question_chars]
+            answer = " ".join(reversed(q.split()))[:answer_chars]
+            out.append({"id": str(i), "conversations": [{"from": "human", "value": q},
+                                                        {"from": "gpt", "value": answer}]})
+    with open(path, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in out))
+    return str(path)

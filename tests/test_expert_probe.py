@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import olmoe_with_eagle3_drafts
+from helpers import olmoe_with_eagle3_drafts, write_reversed_chats
 
 from vat.eval.ecospec import ExpertPredictor
 from vat.eval.expert_probe import capture_pairs, fit_probe, predictor_quality, topk_recall
@@ -78,18 +78,9 @@ def test_expert_probe_command_end_to_end(saved_target_and_draft, spec_bench_file
     from vat.eval.run import run_eval
 
     root, target_dir, draft_dir = saved_target_and_draft
-    rows = []
-    with open(spec_bench_file) as f:
-        for i, line in enumerate(f):
-            if i >= 12:
-                break
-            q = json.loads(line)["turns"][0][:80]
-            rows.append({"id": str(i), "conversations": [{"from": "human", "value": q},
-                                                         {"from": "gpt", "value": " ".join(reversed(q.split()))}]})
-    chats = tmp_path / "chats.jsonl"
-    chats.write_text("\n".join(json.dumps(r) for r in rows))
     data = str(tmp_path / "data")
-    prepare_chat(str(chats), target_dir, data, max_length=256, progress=False)
+    prepare_chat(write_reversed_chats(tmp_path / "chats.jsonl", 12, 80, 80), target_dir, data, max_length=256,
+                 progress=False)
     table = str(tmp_path / "affinity.safetensors")
     assert cli_main(["prep", "affinity", "--target", target_dir, "--data", data, "--output", table]) == 0
     probe_file = str(tmp_path / "probe.safetensors")

@@ -22,22 +22,13 @@ E, K = 8, 2  # the tiny test target: 8 experts, top-2
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A saved tiny OLMoE target (8 experts, top-2) and a prepared chat dataset built with its tokenizer."""
-    from conftest import SPEC_BENCH
+    from helpers import write_reversed_chats
 
     from vat.data_prep.chat import prepare_chat
 
     root = tmp_path_factory.mktemp("window_pool")
     target = save_tiny_target(root / "target", "olmoe", num_experts=E, top_k=K)
-    rows = []
-    with open(SPEC_BENCH) as f:
-        for i, line in enumerate(f):
-            if i >= 40:
-                break
-            q = json.loads(line)["turns"][0][:200]
-            rows.append({"id": str(i), "conversations": [{"from": "human", "value": q},
-                                                         {"from": "gpt", "value": " ".join(reversed(q.split()))[:160]}]})
-    chats = root / "chats.jsonl"
-    chats.write_text("\n".join(json.dumps(r) for r in rows))
+    chats = write_reversed_chats(root / "chats.jsonl", 40)
     prepare_chat(str(chats), target, str(root / "data"), max_length=256, progress=False)
     return {"target": target, "data": str(root / "data"), "root": root}
 
