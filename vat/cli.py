@@ -287,8 +287,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--affinity", help="EcoSpec's expert predictor: an affinity table (`vat prep affinity --target ...` "
                    "output, or a draft's affinity.safetensors); default each draft's own")
     p.add_argument("--verify-cost", help="EVICT's verification-cost profile (profile.json of `vat profile "
-                   "--verify-widths`); default: profiled on the fly per benchmark, on its dev split's first prompts "
-                   "when it is a @test split (else on its own first prompts)")
+                   "--verify-widths`); default: profiled on the fly per draft and benchmark, on the draft's own "
+                   "blocks in the calibration pass (the dev split's first prompts when the benchmark is a @test "
+                   "split, else its own first prompts; the target's greedy text with --evict-calibration 0)")
     p.add_argument("--evict-calibration", type=int, help="EVICT: prompts of the calibration pass that maps each node's "
                    "raw estimate to the acceptance rate observed at its depth and confidence, per draft and benchmark, "
                    "on the dev split of a @test benchmark (default 8; 0 = the raw estimates)")
