@@ -199,3 +199,20 @@ def test_a_bench_passes_offload_through_its_eval_section():
         load_bench_config(None, [*base, "eval.offload=4", "eval.cost_model=h200", "eval.offload_policy=fifo"])
     with pytest.raises(VatError, match=r"`eval.offload`: it prices forwards on the cost model: set eval.cost_model"):
         load_bench_config(None, [*base, "eval.offload=4"])
+
+
+def test_a_bench_passes_acceptmoe_commitment_and_residency_per_method():
+    """A method's eval override carries AcceptMoE's p̂ file (its placeholders filled per cell) and residency C, so
+    a bench runs the paper's offload system beside the plain one; both stay out of the other methods' settings."""
+    from vat.bench.cells import cell_eval_settings, plan_cells
+
+    over = ["methods.a.recipe=tiny/eagle3.yaml", "reference=a", "methods.b.draft='{bench_dir}/cells/a/seed{seed}/x'",
+            "methods.b.eval.policy=acceptmoe", "methods.b.eval.budgets=[auto]",
+            "methods.b.eval.commitment='{bench_dir}/cells/a/seed{seed}/eval/eval.json'",
+            "methods.b.eval.acceptmoe_residency=4", "eval.cost_model=h200", "eval.offload='4,6'", "output_dir=/tmp/b"]
+    bench = load_bench_config(None, over)
+    assert eval_settings(bench, method="b")["acceptmoe_residency"] == 4
+    assert "commitment" not in eval_settings(bench, method="a") and "acceptmoe_residency" not in eval_settings(
+        bench, method="a")
+    cell = next(c for c in plan_cells(bench, "/tmp/b") if c.method == "b" and c.seed == 1)
+    assert cell_eval_settings(bench, cell)["commitment"] == "/tmp/b/cells/a/seed1/eval/eval.json"

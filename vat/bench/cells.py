@@ -267,7 +267,8 @@ def _write_json(path: str, data: Any) -> None:
 # left out of the settings (and so of every fingerprint), so benches that never set one keep their finished cells
 EVAL_VARIANT_DEFAULTS = {key: getattr(EVAL_DEFAULTS, key)
                          for key in ("tree", "tree_policy", "verify_cost", "evict_calibration", "policy",
-                                     "vh_threshold", "cost_model", "offload", "offload_policy", "offload_link")}
+                                     "vh_threshold", "cost_model", "offload", "offload_policy", "offload_link",
+                                     "commitment", "acceptmoe_residency")}
 
 
 def method_eval(bench: Any, method: str | None) -> dict:
@@ -508,7 +509,7 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
     """Train (if a method) and evaluate one cell, then write its ``cell.json``; returns that record."""
     os.makedirs(cell.directory, exist_ok=True)
     record: dict[str, Any] = {"method": cell.method, "seed": cell.seed, "fingerprint": fingerprint}
-    settings = eval_settings(bench, method=cell.method)
+    settings = cell_eval_settings(bench, cell)
     cache = reference_cache_dir(bench)
     if not cell.trained:
         result = eval_stage(os.path.join(cell.directory, "eval"), [cell.method], target, settings,
@@ -535,6 +536,16 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
     record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     _write_json(os.path.join(cell.directory, CELL_FILE), record)
     return record
+
+
+def cell_eval_settings(bench: Any, cell: Cell) -> dict:
+    """:func:`eval_settings` of one cell, with ``{seed}`` and ``{bench_dir}`` filled in the paths that take them (an
+    AcceptMoE ``commitment`` read from another cell's eval.json)."""
+    settings = eval_settings(bench, method=cell.method)
+    if settings.get("commitment"):
+        bench_dir = os.path.dirname(os.path.dirname(os.path.dirname(cell.directory)))  # bench_dir/cells/label/seedK
+        settings["commitment"] = fill_placeholders(settings["commitment"], cell.seed, bench_dir)
+    return settings
 
 
 def _eval_summary(result: dict, label: str, bench: Any) -> dict:

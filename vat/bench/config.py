@@ -44,6 +44,8 @@ class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's ev
     policy: Optional[str] = None  # budget policy (vat eval --policy)
     vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
     cost_model: Optional[str] = None  # roofline bytes model (h100 | h200 | a100 | l40s[@eta=η,latency_us=µs])
+    commitment: Optional[str] = None  # AcceptMoE's p̂: an eval.json of the draft or a JSON list ({bench_dir}, {seed})
+    acceptmoe_residency: Optional[int] = None  # AcceptMoE under offload: prune against a live cache of C experts
 
 
 @dataclass
@@ -73,6 +75,8 @@ class BenchEvalConfig:
     offload: Optional[str] = EVAL_DEFAULTS.offload  # expert offloading: resident experts per layer, "8,16" (cost_model)
     offload_policy: str = EVAL_DEFAULTS.offload_policy  # lru | lfu: which resident expert a load evicts
     offload_link: str = EVAL_DEFAULTS.offload_link  # pcie5 | c2c: the host-to-device link
+    commitment: Optional[str] = EVAL_DEFAULTS.commitment  # AcceptMoE's p̂ ({bench_dir}, {seed} filled); null = prior
+    acceptmoe_residency: Optional[int] = EVAL_DEFAULTS.acceptmoe_residency  # AcceptMoE's residency pruning at C
 
 
 @dataclass
