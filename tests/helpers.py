@@ -231,9 +231,9 @@ def _reference_deepseek(router, logits_row, allowed):
     return {e: v * router.routed_scaling_factor for e, v in w.items()}
 
 
-def reference_budget(family, router, logits, natural_w, natural_ids, groups, budget, policy):
+def reference_budget(family, router, logits, natural_w, natural_ids, groups, budget, policy, rank="weights"):
     """The budgeted routing of one layer by brute force: per-window budget set and per-token rerouting, with Python
-    loops; one {expert: weight} dict per token."""
+    loops; one {expert: weight} dict per token. ``rank="routing"``: DeepSeek-V3's set summed over sigmoid + bias."""
     n_tokens = logits.shape[0]
     logits_l, nat_ids, nat_w = logits.tolist(), natural_ids.tolist(), natural_w.tolist()
     result = []
@@ -247,9 +247,10 @@ def reference_budget(family, router, logits, natural_w, natural_ids, groups, bud
             allowed_of[g] = union
             continue
         mass = [0.0] * router.num_experts
+        bias = router.e_score_correction_bias.tolist() if rank == "routing" and family == "deepseek_v3" else None
         for t in tokens:
             for e, s in enumerate(_scores(family, logits_l[t])):
-                mass[e] += s
+                mass[e] += s + (bias[e] if bias else 0.0)
         allowed_of[g] = set(sorted(range(router.num_experts), key=lambda e: -mass[e])[:budget])
     for t in range(n_tokens):
         allowed = allowed_of[groups[t]]

@@ -44,7 +44,7 @@ def _assert_matches_reference(family, target, out, layers, spec):
     groups = out.window_groups.reshape(-1).tolist()
     routes = []
     for ordinal, (router, (logits, nat_w, nat_ids), (_, got_w, got_ids)) in enumerate(layers):
-        want_all = reference_budget(family, router, logits, nat_w, nat_ids, groups, spec.B, spec.policy)
+        want_all = reference_budget(family, router, logits, nat_w, nat_ids, groups, spec.B, spec.policy, spec.rank)
         for t, want in enumerate(want_all):
             got = {e: w for e, w in zip(got_ids[t].tolist(), got_w[t].tolist()) if e != target.num_experts}
             assert set(got) == set(want), (family, spec.policy, ordinal, t, got, want)
@@ -81,6 +81,33 @@ def test_deepseek_default_groups_match_reference(budget, policy):
     _assert_matches_reference("deepseek_v3", target, out, layers, spec)
     if policy == "substitute" and budget >= target.top_k:
         assert (out.topk_ids != target.num_experts).all()
+
+
+@pytest.mark.parametrize("policy", ["substitute", "truncate"])
+def test_deepseek_budget_ranked_by_its_routing_scores_matches_reference(policy):
+    """``rank="routing"`` (an extension): DeepSeek-V3's budget set summed over the scores its tokens rank by (sigmoid +
+    correction bias) against the brute-force reference; with a strong bias it picks other sets than the paper's
+    ranking by the unbiased scores, and for a softmax family the two ranks are the same forward."""
+    model = tiny_model("deepseek_v3")
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 1.5, generator=torch.Generator().manual_seed(4))  # big enough to reorder sets
+    target = load_target(model, device="cpu")
+    ids = torch.randint(3, 128, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    routing = BudgetSpec(B=3, window=4, policy=policy, rank="routing")
+    out, layers = _budgeted_io(target, ids, routing)
+    _assert_matches_reference("deepseek_v3", target, out, layers, routing)
+    plain = target.forward(ids, budget=BudgetSpec(B=3, window=4, policy=policy))
+    assert not torch.equal(out.topk_ids, plain.topk_ids)  # the bias really changes the sets
+    target.close()
+    olmoe = load_target(tiny_model("olmoe"), device="cpu")
+    a = olmoe.forward(ids, budget=BudgetSpec(B=3, window=4, policy=policy))
+    b = olmoe.forward(ids, budget=BudgetSpec(B=3, window=4, policy=policy, rank="routing"))
+    assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.logits, b.logits)
+    olmoe.close()
+    with pytest.raises(VatError, match="unknown budget rank `biased`: one of weights, routing"):
+        BudgetSpec(B=3, rank="biased")
 
 
 def test_deepseek_unbudgeted_selection_is_the_models_own():
@@ -246,3 +273,23 @@ def test_gpt_oss_eager_runs_eager_under_a_budget(policy, budget):
     eager.routing.fill_dropped_slots = False
     with pytest.raises((RuntimeError, IndexError)):
         eager.forward(ids, budget=spec)
+
+
+def test_budget_rank_reaches_every_budgeted_pass_and_its_kl_forward():
+    """`vat eval --budget-rank routing` picks the registry's rank policy: its hook ranks every budgeted pass's set (and
+    the KL forward's, through the same hooks) by the routing scores; natural passes get no hook; a bad value is one
+    line."""
+    from vat.eval.config import check_eval_config, eval_config
+    from vat.eval.run import DraftEntry, RunConfig, _kl_key, _kl_spec
+
+    checked = check_eval_config(eval_config(budget_rank="routing", budgets="none,4"))
+    (rank,) = [p for p in checked.policies if p.setting == "budget_rank"]
+    draft = DraftEntry("d", None, model=object())
+    assert rank.for_pass(draft, None) is None
+    assert rank.for_pass(draft, 4).budget_spec(BudgetSpec(B=4)).rank == "routing"
+    spec = _kl_spec(RunConfig(draft, 4), 8, "substitute", checked.policies)
+    assert (spec.rank, spec.B, spec.window) == ("routing", 4, 8)
+    assert _kl_key(RunConfig(draft, 4), 8, checked.policies) != _kl_key(RunConfig(draft, 4), 8, [])
+    assert not [p for p in check_eval_config(eval_config()).policies if p.setting == "budget_rank"]
+    with pytest.raises(VatError, match=r"--budget-rank `biased`: one of weights, routing"):
+        check_eval_config(eval_config(budget_rank="biased"))

@@ -77,18 +77,18 @@ def test_bench_sections_use_the_eval_configs_choices():
 
 
 def test_every_registered_eval_policy_is_consistent_with_the_config_and_the_budget_rules():
-    """Each registry entry: its key is its name, it is picked by tree_policy or by policy (then a budget rule of
-    vat.target.budget), the settings it reads are EvalConfig fields, its eval.json keys collide with no other's, and
-    `vat eval --help` describes it."""
-    from vat.eval.policies.registry import EVAL_POLICIES, policy_help
-    from vat.target.budget import POLICIES
+    """Each registry entry: its key is its name, it is picked by tree_policy, by policy (then a budget rule of
+    vat.target.budget) or by budget_rank (then a rank of vat.target.budget), the settings it reads are EvalConfig
+    fields, its eval.json keys collide with no other's, and `vat eval --help` describes it."""
+    from vat.eval.policies.registry import EVAL_POLICIES, SETTINGS, policy_help
+    from vat.target.budget import POLICIES, RANKS
 
     run_keys = [key for cls in EVAL_POLICIES.values() for key in cls.run_keys]
     settings = [field for cls in EVAL_POLICIES.values() for field in cls.settings]
     assert len(set(run_keys)) == len(run_keys) and len(set(settings)) == len(settings)
     assert set(settings) <= set(EVAL_FIELDS)
     for name, cls in EVAL_POLICIES.items():
-        assert cls.name == name and cls.summary and cls.setting in ("tree_policy", "policy")
-        assert cls.setting == "tree_policy" or name in POLICIES
+        assert cls.name == name and cls.summary and cls.setting in SETTINGS and cls.setting in EVAL_FIELDS
+        assert cls.setting == "tree_policy" or name in (POLICIES if cls.setting == "policy" else RANKS)
         assert f"{name} = {cls.summary}" in policy_help(cls.setting)[1]
     assert EVAL_DEFAULTS.tree_policy in EVAL_POLICIES

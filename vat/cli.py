@@ -272,6 +272,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    "/ truncate = MoE-Spec (top-B experts by summed router score; truncate gives out-of-set experts zero "
                    "weight, as the paper; truncate_cover rescales and substitutes tokens left without experts); "
                    "{registered}")
+    p.add_argument("--budget-rank", action=_PolicyFlag, setting="budget_rank", help="which scores rank each budget "
+                   "set, one of {choices} (default weights: the scores that weigh the experts, MoE-Spec's sum); "
+                   "{registered}")
     p.add_argument("--commitment", help="AcceptMoE's p̂_d (probability that depth d is on the accepted path): an "
                    "eval.json of the same draft (its acceptance by position at budget none) or a JSON list [p_1, p_2, "
                    "...]; default the prior 0.8^d")

@@ -268,7 +268,7 @@ def _write_json(path: str, data: Any) -> None:
 EVAL_VARIANT_DEFAULTS = {key: getattr(EVAL_DEFAULTS, key)
                          for key in ("tree", "tree_policy", "verify_cost", "evict_calibration", "policy",
                                      "vh_threshold", "cost_model", "offload", "offload_policy", "offload_link",
-                                     "commitment", "acceptmoe_residency")}
+                                     "commitment", "acceptmoe_residency", "budget_rank")}
 
 
 def method_eval(bench: Any, method: str | None) -> dict:

@@ -42,6 +42,7 @@ class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's ev
     evict_calibration: Optional[int] = None  # EVICT's calibration prompts (dev split); 0 = raw estimates
     budgets: Optional[list[Any]] = None  # expert budgets B of this method's evaluation (ints, null, auto)
     policy: Optional[str] = None  # budget policy (vat eval --policy)
+    budget_rank: Optional[str] = None  # scores ranking the budget set: weights | routing (vat eval --budget-rank)
     vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
     cost_model: Optional[str] = None  # roofline bytes model (h100 | h200 | a100 | l40s[@eta=η,latency_us=µs])
     commitment: Optional[str] = None  # AcceptMoE's p̂: an eval.json of the draft or a JSON list ({bench_dir}, {seed})
@@ -70,6 +71,7 @@ class BenchEvalConfig:
     verify_cost: Optional[str] = EVAL_DEFAULTS.verify_cost  # EVICT's verification-cost profile; null = on the fly
     evict_calibration: Optional[int] = EVAL_DEFAULTS.evict_calibration  # EVICT's calibration prompts; 0 = raw
     policy: str = EVAL_DEFAULTS.policy  # budget policy
+    budget_rank: str = EVAL_DEFAULTS.budget_rank  # scores ranking the budget set: weights | routing (an extension)
     vh_threshold: Optional[float] = EVAL_DEFAULTS.vh_threshold  # stop drafting on the verification head's signal
     cost_model: Optional[str] = EVAL_DEFAULTS.cost_model  # roofline bytes model (h200, h200@eta=0.8,latency_us=10)
     offload: Optional[str] = EVAL_DEFAULTS.offload  # expert offloading: resident experts per layer, "8,16" (cost_model)
@@ -251,7 +253,8 @@ def _check_bench_eval(cfg: Any) -> None:
     sections = [("eval", cfg.eval)] + [(f"methods.{label}.eval", m.eval) for label, m in cfg.methods.items()]
     for where, ev in sections:
         check_eval_section(where, policy=ev.policy, tree_policy=ev.tree_policy, tree=ev.tree,
-                           cost_model=ev.cost_model, budgets=list(ev.budgets) if ev.budgets is not None else [None])
+                           cost_model=ev.cost_model, budgets=list(ev.budgets) if ev.budgets is not None else [None],
+                           budget_rank=ev.budget_rank)
     ev = cfg.eval
     check_eval_section("eval", offload=ev.offload, offload_policy=ev.offload_policy, offload_link=ev.offload_link,
                        cost_model=ev.cost_model)

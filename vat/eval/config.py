@@ -21,7 +21,7 @@ from vat.eval.offload import HOST_LINKS, RESIDENCY_POLICIES, OffloadSpec
 from vat.eval.policies import EvalPolicy
 from vat.eval.policies.registry import DEFAULT_TREE_POLICY, choices, picked, self_sized
 from vat.eval.tree import TreeSpec
-from vat.target.budget import POLICIES
+from vat.target.budget import POLICIES, RANKS
 
 NO_BUDGET = "none"
 SELF_SIZED = "auto"  # the budget of a policy that sizes its expert set itself (acceptmoe)
@@ -38,6 +38,7 @@ class EvalConfig:
     temperature: float = 0.0  # 0 = greedy, > 0 = lossless speculative sampling
     budgets: Any = NO_BUDGET  # "none,8,4" or a list (None = natural routing, "auto" = acceptmoe's self-sized set)
     policy: str = DEFAULT_BUDGET_POLICY  # budget policy: one of vat.target.budget.POLICIES
+    budget_rank: str = "weights"  # scores ranking the budget set: weights | routing (DeepSeek-V3's biased; extension)
     vh_threshold: Optional[float] = None  # stop drafting when the verification head's probability falls below
     tree_policy: str = DEFAULT_TREE_POLICY  # how the drafts are chosen: a vat.eval.policies.registry name
     verify_cost: Optional[str] = None  # EVICT's verification-cost profile; None = profiled on the fly
@@ -128,7 +129,8 @@ def check_eval_config(cfg: EvalConfig) -> CheckedEval:
         raise VatError(f"--ngram-rule `{cfg.ngram_rule}`: one of {', '.join(RULES)}")
     tree = TreeSpec.parse(cfg.tree) if isinstance(cfg.tree, str) else cfg.tree
     budgets = parse_budgets(cfg.budgets) if isinstance(cfg.budgets, str) or cfg.budgets is None else list(cfg.budgets)
-    check_eval_section("--", policy=cfg.policy, tree_policy=cfg.tree_policy, cost_model=cfg.cost_model)
+    check_eval_section("--", policy=cfg.policy, tree_policy=cfg.tree_policy, cost_model=cfg.cost_model,
+                       budget_rank=cfg.budget_rank)
     if cfg.cost_model is not None:
         served_bytes_of(cfg.served_dtype)
     policies = picked(cfg, tree)  # the tree and budget policies' own settings checked
@@ -153,7 +155,7 @@ def _offload(cfg: EvalConfig) -> OffloadSpec | None:
 def check_eval_section(where: str, *, policy: str | None = None, tree_policy: str | None = None,
                        tree: str | None = None, cost_model: str | None = None, budgets: list | None = None,
                        offload: str | None = None, offload_policy: str | None = None,
-                       offload_link: str | None = None) -> None:
+                       offload_link: str | None = None, budget_rank: str | None = None) -> None:
     """The choices an evaluation's settings must come from, checked where they are written: ``where`` is ``--`` for
     `vat eval`'s flags, or a bench config section (``eval``, ``methods.<label>.eval``). None = not set there."""
     def bad(name: str, value: Any, need: str) -> VatError:
@@ -163,6 +165,8 @@ def check_eval_section(where: str, *, policy: str | None = None, tree_policy: st
 
     if policy is not None and policy not in POLICIES:
         raise bad("policy", policy, f"one of {', '.join(POLICIES)}")
+    if budget_rank is not None and budget_rank not in RANKS:
+        raise bad("budget_rank", budget_rank, f"one of {', '.join(RANKS)}")
     if tree_policy is not None and tree_policy not in choices("tree_policy"):
         raise bad("tree_policy", tree_policy, f"one of {', '.join(choices('tree_policy'))}")
     if tree is not None and str(tree).lower() != "chain":

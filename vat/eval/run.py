@@ -510,7 +510,7 @@ def _settings_record(run: _Run) -> dict:
         "mode": "tree" if s.tree is not None else "chain", "steps": cfg.steps,
         "tree": None if s.tree is None else vars(s.tree), "temperature": cfg.temperature,
         "budgets": [NO_BUDGET if b is None else b for b in s.budgets], "policy": cfg.policy,
-        "vh_threshold": cfg.vh_threshold, "max_new_tokens": cfg.max_new_tokens, "limit": cfg.limit, "batch_size": 1,
+        "budget_rank": cfg.budget_rank, "vh_threshold": cfg.vh_threshold, "max_new_tokens": cfg.max_new_tokens, "limit": cfg.limit, "batch_size": 1,
         "seed": cfg.seed, "tree_policy": cfg.tree_policy, **settings_record(cfg, s.policies),
         "cost_model": None if cfg.cost_model is None else run.cost.accelerator.name,
         "served_dtype": cfg.served_dtype if cfg.cost_model is not None else None,

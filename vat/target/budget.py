@@ -39,6 +39,7 @@ POLICIES = TRAINING_POLICIES + ("acceptmoe",)  # + AcceptMoE: eval only (its com
 SCOPES = ("sequence", "batch")
 AUTO = "auto"  # B of a self-sized policy (acceptmoe): the policy picks |S| per window and layer
 DEMANDS = ("natural", "score")
+RANKS = ("weights", "routing")  # which scores rank the budget set (FamilyAdapter.scores); they differ for DeepSeek-V3
 DEFAULT_COMMITMENT_DECAY = 0.8  # p̂_d = 0.8^d when no offline estimate is given (EAGLE-3's own step-weight prior)
 SIZE_TOLERANCE = 1e-6  # ⌈exp(H) - tol⌉: a uniform demand over m experts gives exactly m despite rounding
 
@@ -127,6 +128,8 @@ class BudgetSpec:
         start_position: positions before this are not budgeted (the prompt's prefill stays natural).
         acceptmoe: the commitment weighting of policy ``acceptmoe`` (default :class:`AcceptMoESpec`); with that
             policy B may be ``"auto"`` (self-sized S) or an int (|S| fixed: AcceptMoE-fix).
+        rank: the scores a window's demand sums: ``weights`` (the paper's: the router's probabilities, DeepSeek-V3's
+            unbiased scores) or ``routing`` (the scores the tokens route by: DeepSeek-V3's biased ones, an extension).
     """
 
     B: Any
@@ -137,10 +140,13 @@ class BudgetSpec:
     start_position: int = 0
     acceptmoe: AcceptMoESpec | None = None
     phase: tuple[int, ...] | None = None
+    rank: str = "weights"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise VatError(f"unknown budget policy `{self.policy}`: one of {', '.join(POLICIES)}")
+        if self.rank not in RANKS:
+            raise VatError(f"unknown budget rank `{self.rank}`: one of {', '.join(RANKS)}")
         if self.policy == "acceptmoe" and self.acceptmoe is None:
             self.acceptmoe = AcceptMoESpec()
         if self.B == AUTO and self.policy != "acceptmoe":
@@ -425,6 +431,7 @@ def apply_budget(
     anchor: torch.Tensor | None = None,
     acceptmoe: AcceptMoESpec | None = None,
     moe_ordinal: int = 0,
+    rank: str = "weights",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Budget one MoE layer's routing.
 
@@ -451,6 +458,7 @@ def apply_budget(
         anchor: (N,) bool, the root token of each window; ``acceptmoe`` only.
         acceptmoe: its demand/anchor switches (default :class:`AcceptMoESpec`), and its residency under offload.
         moe_ordinal: this layer's MoE ordinal (which layer's resident experts the residency pruning reads).
+        rank: which scores the demand sums (:data:`RANKS`, :meth:`FamilyAdapter.scores`).
 
     Returns:
         ``(topk_weights (N, k), topk_ids (N, k))`` with at most |S| distinct ids per window; dropped slots hold
@@ -465,7 +473,7 @@ def apply_budget(
         if counts is not None:
             counts["uncovered"] = torch.zeros((), dtype=torch.int64, device=ids.device)
         return weights, ids
-    scores = adapter.scores(router, logits)  # (N, E)
+    scores = adapter.scores(router, logits, rank)  # (N, E)
     if policy == "acceptmoe":
         acceptmoe = acceptmoe or AcceptMoESpec()
         allowed_sets = budget_sets(

@@ -53,18 +53,22 @@ class FamilyAdapter:
         return getattr(block, self.router_attr)
 
     # ---- routing rule --------------------------------------------------------------------------------------
-    def scores(self, router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    def scores(self, router: nn.Module, logits: torch.Tensor, rank: str = "weights") -> torch.Tensor:
         """Per-expert routing scores in fp32, summed over a window to pick the budget set.
 
         Args:
             router: the router module (for its attributes).
             logits: (N, E) router logits as the router returned them.
+            rank: ``weights``: the scores that weigh the experts (softmax probabilities; DeepSeek-V3's unbiased
+                sigmoid scores), or ``routing``: the scores the tokens rank their experts by, which differ only for
+                DeepSeek-V3 (sigmoid + its correction bias; an extension of MoE-Spec, docs/verification_policies.md).
 
         Returns:
-            (N, E) fp32: softmax probabilities, or the sigmoid scores for DeepSeek-V3.
+            (N, E) fp32.
         """
         if self.rule == "sigmoid_group":
-            return logits.float().sigmoid()
+            scores = logits.float().sigmoid()
+            return scores + router.e_score_correction_bias.float() if rank == "routing" else scores
         return torch.softmax(logits.float(), dim=-1)
 
     def select(

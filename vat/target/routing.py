@@ -76,7 +76,7 @@ class RoutingController:
                         spec.policy, counts=counts,
                         token_weight=None if ctx.token_weight is None else ctx.token_weight.to(device),
                         anchor=None if ctx.anchor is None else ctx.anchor.to(device), acceptmoe=spec.acceptmoe,
-                        moe_ordinal=ordinal,
+                        moe_ordinal=ordinal, rank=spec.rank,
                     )
                     if "uncovered" in counts:
                         ctx.uncovered[ordinal] = counts["uncovered"]

@@ -11,15 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from vat.errors import VatError
-from vat.eval.policies import EvalPolicy, acceptmoe, confidence, ecospec, evict
-from vat.target.budget import POLICIES
+from vat.eval.policies import EvalPolicy, acceptmoe, budget_rank, confidence, ecospec, evict
+from vat.target.budget import POLICIES, RANKS
 
 EVAL_POLICIES: dict[str, type[EvalPolicy]] = {
     "confidence": confidence.Confidence,
     "evict": evict.EvictPolicy,
     "ecospec": ecospec.EcoSpecPolicy,
     "acceptmoe": acceptmoe.AcceptMoEPolicy,
+    "routing": budget_rank.RoutingRankPolicy,
 }
+SETTINGS = ("tree_policy", "policy", "budget_rank")  # the EvalConfig fields that pick registered policies
 
 DEFAULT_TREE_POLICY = "confidence"
 
@@ -38,7 +40,7 @@ def policy_class(setting: str, name: str) -> type[EvalPolicy] | None:
 def picked(cfg: Any, tree: Any) -> list[EvalPolicy]:
     """The policies an :class:`vat.eval.config.EvalConfig` picks, built (each checks its settings); a setting only an
     unpicked policy reads stops in one line."""
-    chosen = [policy_class(s, getattr(cfg, s)) for s in ("tree_policy", "policy")]
+    chosen = [policy_class(s, getattr(cfg, s)) for s in SETTINGS]
     for name, cls in EVAL_POLICIES.items():
         if cls in chosen:
             continue
@@ -78,5 +80,5 @@ def run_record(policies: list[EvalPolicy]) -> dict:
 def policy_help(setting: str) -> tuple[tuple[str, ...], str]:
     """`vat eval --help` of ``--tree-policy`` / ``--policy``: the choices (the registry's; for ``policy`` the rules of
     :data:`vat.target.budget.POLICIES`) and ``name = summary`` of each registered one."""
-    names = POLICIES if setting == "policy" else choices(setting)
+    names = POLICIES if setting == "policy" else RANKS if setting == "budget_rank" else choices(setting)
     return names, "; ".join(f"{name} = {EVAL_POLICIES[name].summary}" for name in choices(setting))
