@@ -385,3 +385,27 @@ def test_every_max_length_cut_of_one_regen_file_takes_the_same_lock(monkeypatch,
         with pytest.raises(Stop):
             ensure_tiny_regen_data("tiny-quick", max_length=max_length)
     assert len(seen) == 2 and seen[0] == seen[1] and seen[0].endswith(".jsonl")
+
+
+def test_the_mixed_source_is_written_under_its_own_lock(tmp_path, monkeypatch):
+    """The bench target's greedy and T = 1 regenerations hold different locks (their regen files) but read one mixed
+    source file: it is written under a lock of its own, so two shards starting together never write it at once."""
+    import contextlib
+
+    import vat.data_prep.tiny_target as tt
+    from vat.train.defaults import _tiny_regen_plan, _tiny_regen_source
+
+    held = []
+    plain = tt.build_lock
+
+    @contextlib.contextmanager
+    def recording_lock(path):
+        with plain(path):
+            held.append(path)
+            yield
+
+    monkeypatch.setattr(tt, "build_lock", recording_lock)
+    plan = _tiny_regen_plan("tiny-bench", 40, None, 512, None, 1.0)
+    source = _tiny_regen_source("tiny-bench", plan, str(tmp_path))
+    assert held == [source] and os.path.getsize(source) > 0
+    assert _tiny_regen_source("tiny-bench", plan, str(tmp_path)) == source  # found: written once

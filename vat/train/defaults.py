@@ -164,9 +164,11 @@ def _tiny_regen_source(target_name: str, plan: _TinyRegenPlan, data_dir: str) ->
         spec = spec_for(tiny_size(target_name))
         source = os.path.join(data_dir, f"{tiny_cache_name(target_name)}-regen-source-c{plan.conversations}-"
                                         f"code{plan.code_fraction:g}.jsonl")
-        if not os.path.exists(source):
-            write_mixed_source(sharegpt_path(), source, plan.conversations, plan.code_fraction,
-                               heldout=spec.code_heldout, max_chars=spec.max_code_chars)
+        # the greedy and the T = 1 regen hold different locks but read this one file: it is written under its own
+        with tiny_target.build_lock(source):
+            if not os.path.exists(source):
+                write_mixed_source(sharegpt_path(), source, plan.conversations, plan.code_fraction,
+                                   heldout=spec.code_heldout, max_chars=spec.max_code_chars)
     return source
 
 
