@@ -499,3 +499,33 @@ def test_greedy_cells_are_checked_against_autoregressive_outputs(tmp_path):
     summary = _two_budget_summary(stats, ["vat", "eagle3"], [0])
     summary.update(budgets=["none"], baselines=["none"])
     assert "NOT lossless: vat 2/2, eagle3 1/2." in markdown(summary)
+
+
+# ---- shards writing one record --------------------------------------------------------------------------------------
+
+
+def _write_many(path: str, text: str, times: int) -> None:
+    from vat.bench.summary import write_text_atomic
+
+    for _ in range(times):
+        write_text_atomic(path, text)
+
+
+def test_shards_writing_one_file_at_once_leave_one_whole_file(tmp_path):
+    """Two shards of a bench write bench_config.yaml / bench.json / bench.md into one directory. With one temporary
+    name shared by both, their writes interleaved into a file neither wrote (a torn bench_config.yaml stopped a render);
+    each writer now has its own temporary file, so what is left is always one writer's whole text."""
+    import multiprocessing
+
+    path = str(tmp_path / "bench_config.yaml")
+    long_text, short_text = "a: 1\n" * 4000, "b: 2\n" * 10
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_write_many, args=(path, text, 200)) for text in (long_text, short_text)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+        assert w.exitcode == 0
+    with open(path) as f:
+        assert f.read() in (long_text, short_text)
+    assert os.listdir(tmp_path) == ["bench_config.yaml"]  # no temporary file left behind

@@ -30,7 +30,7 @@ from vat.bench.cells import (
 from vat.bench.config import load_bench_config
 from vat.bench.plots import write_plots
 from vat.bench.record import write_record
-from vat.bench.summary import build_summary, write_summary
+from vat.bench.summary import build_summary, write_summary, write_text_atomic
 from vat.errors import VatError
 from vat.export.checkpoint import read_draft_config
 from vat.paths import TINY_TARGET_NAMES, tiny_target_dir
@@ -122,8 +122,7 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
     out = report_dir(cells_dir, bench.name)
     os.makedirs(out, exist_ok=True)
     if not render_only:
-        with open(os.path.join(out, "bench_config.yaml"), "w") as f:
-            f.write(OmegaConf.to_yaml(bench))
+        write_text_atomic(os.path.join(out, "bench_config.yaml"), OmegaConf.to_yaml(bench))
     cells = plan_cells(bench, cells_dir)
     for warning in check_same_training(cells):
         print(f"[vat bench] warning: {warning}", flush=True)

@@ -736,8 +736,15 @@ def write_summary(summary: dict, out: str) -> list[str]:
     paths = []
     for name, text in (("bench.json", json.dumps(summary, separators=(",", ":"))), ("bench.md", markdown(summary))):
         path = os.path.join(out, name)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        write_text_atomic(path, text)
         paths.append(path)
     return paths
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file named by this process, then rename: shards of one bench
+    writing the same file at once leave one whole file, never an interleaving of both."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
