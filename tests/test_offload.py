@@ -216,3 +216,24 @@ def test_a_bench_passes_acceptmoe_commitment_and_residency_per_method():
         bench, method="a")
     cell = next(c for c in plan_cells(bench, "/tmp/b") if c.method == "b" and c.seed == 1)
     assert cell_eval_settings(bench, cell)["commitment"] == "/tmp/b/cells/a/seed1/eval/eval.json"
+
+
+def test_a_bench_passes_ecospec_predictor_and_lambda_per_method():
+    """EcoSpec's expert predictor (a `vat prep expert-probe` file fitted per seed's draft) and λ as a method's eval
+    overrides: the path's placeholders are filled per cell, both reach `run_eval` as EvalConfig fields, and a method
+    without them keeps settings (and finished cells) as before."""
+    import dataclasses
+
+    from vat.bench.cells import EVAL_VARIANT_DEFAULTS, cell_eval_settings, plan_cells
+    from vat.eval.config import EvalConfig
+
+    over = ["methods.a.recipe=tiny/eagle3.yaml", "reference=a", "methods.b.draft='{bench_dir}/cells/a/seed{seed}/x'",
+            "methods.b.eval.tree='4,6,16'", "methods.b.eval.tree_policy=ecospec", "methods.b.eval.ecospec_lambda=0.5",
+            "methods.b.eval.affinity='{bench_dir}/probes/seed{seed}.safetensors'", "output_dir=/tmp/b"]
+    bench = load_bench_config(None, over)
+    assert "affinity" not in eval_settings(bench, method="a") and "ecospec_lambda" not in eval_settings(bench, method="a")
+    assert eval_settings(bench, method="b")["ecospec_lambda"] == 0.5
+    cell = next(c for c in plan_cells(bench, "/tmp/b") if c.method == "b" and c.seed == 2)
+    assert cell_eval_settings(bench, cell)["affinity"] == "/tmp/b/probes/seed2.safetensors"
+    fields = {f.name for f in dataclasses.fields(EvalConfig)}
+    assert {"affinity", "ecospec_lambda"} <= set(EVAL_VARIANT_DEFAULTS) <= fields

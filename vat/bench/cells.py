@@ -268,7 +268,8 @@ def _write_json(path: str, data: Any) -> None:
 EVAL_VARIANT_DEFAULTS = {key: getattr(EVAL_DEFAULTS, key)
                          for key in ("tree", "tree_policy", "verify_cost", "evict_calibration", "policy",
                                      "vh_threshold", "cost_model", "offload", "offload_policy", "offload_link",
-                                     "commitment", "acceptmoe_residency", "budget_rank")}
+                                     "commitment", "acceptmoe_residency", "budget_rank", "ecospec_lambda",
+                                     "affinity")}
 
 
 def method_eval(bench: Any, method: str | None) -> dict:
@@ -540,11 +541,12 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
 
 def cell_eval_settings(bench: Any, cell: Cell) -> dict:
     """:func:`eval_settings` of one cell, with ``{seed}`` and ``{bench_dir}`` filled in the paths that take them (an
-    AcceptMoE ``commitment`` read from another cell's eval.json)."""
+    AcceptMoE ``commitment`` read from another cell's eval.json, an EcoSpec ``affinity`` fitted per seed's draft)."""
     settings = eval_settings(bench, method=cell.method)
-    if settings.get("commitment"):
-        bench_dir = os.path.dirname(os.path.dirname(os.path.dirname(cell.directory)))  # bench_dir/cells/label/seedK
-        settings["commitment"] = fill_placeholders(settings["commitment"], cell.seed, bench_dir)
+    bench_dir = os.path.dirname(os.path.dirname(os.path.dirname(cell.directory)))  # bench_dir/cells/label/seedK
+    for key in ("commitment", "affinity"):
+        if settings.get(key):
+            settings[key] = fill_placeholders(settings[key], cell.seed, bench_dir)
     return settings
 
 

@@ -47,6 +47,8 @@ class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's ev
     cost_model: Optional[str] = None  # roofline bytes model (h100 | h200 | a100 | l40s[@eta=η,latency_us=µs])
     commitment: Optional[str] = None  # AcceptMoE's p̂: an eval.json of the draft or a JSON list ({bench_dir}, {seed})
     acceptmoe_residency: Optional[int] = None  # AcceptMoE under offload: prune against a live cache of C experts
+    ecospec_lambda: Optional[float] = None  # EcoSpec's λ: nats of log-probability one predicted new expert costs
+    affinity: Optional[str] = None  # EcoSpec's expert predictor: a table or `vat prep expert-probe` file ({seed})
 
 
 @dataclass
@@ -79,6 +81,8 @@ class BenchEvalConfig:
     offload_link: str = EVAL_DEFAULTS.offload_link  # pcie5 | c2c: the host-to-device link
     commitment: Optional[str] = EVAL_DEFAULTS.commitment  # AcceptMoE's p̂ ({bench_dir}, {seed} filled); null = prior
     acceptmoe_residency: Optional[int] = EVAL_DEFAULTS.acceptmoe_residency  # AcceptMoE's residency pruning at C
+    ecospec_lambda: float = EVAL_DEFAULTS.ecospec_lambda  # EcoSpec's λ
+    affinity: Optional[str] = EVAL_DEFAULTS.affinity  # EcoSpec's expert predictor ({bench_dir}, {seed}); null = draft's
 
 
 @dataclass
