@@ -505,7 +505,7 @@ def test_greedy_cells_are_checked_against_autoregressive_outputs(tmp_path):
 
 
 def _write_many(path: str, text: str, times: int) -> None:
-    from vat.bench.summary import write_text_atomic
+    from vat.export.checkpoint import write_text_atomic
 
     for _ in range(times):
         write_text_atomic(path, text)

@@ -30,9 +30,9 @@ from vat.bench.cells import (
 from vat.bench.config import load_bench_config
 from vat.bench.plots import write_plots
 from vat.bench.record import write_record
-from vat.bench.summary import build_summary, write_summary, write_text_atomic
+from vat.bench.summary import build_summary, write_summary
 from vat.errors import VatError
-from vat.export.checkpoint import read_draft_config
+from vat.export.checkpoint import read_draft_config, write_text_atomic
 from vat.paths import TINY_TARGET_NAMES, tiny_target_dir
 from vat.target.model import resolve_target_path as resolve
 

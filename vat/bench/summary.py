@@ -32,6 +32,7 @@ from vat.bench.stats import (
 from vat.errors import VatError
 from vat.eval.cost import get_accelerator
 from vat.eval.quality import add_counts, empty_counts, summarize_quality
+from vat.export.checkpoint import write_text_atomic
 
 BENCH_FORMAT_VERSION = 2  # 2: τ on delivered tokens; ratios with per-seed values, a t interval and `win`
 NO_BUDGET = "none"
@@ -740,11 +741,3 @@ def write_summary(summary: dict, out: str) -> list[str]:
         paths.append(path)
     return paths
 
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file named by this process, then rename: shards of one bench
-    writing the same file at once leave one whole file, never an interleaving of both."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

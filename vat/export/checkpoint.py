@@ -64,13 +64,18 @@ VAT_BLOCK_FIELDS = ("num_target_layers", "target_path", "ttt_steps", "vh_input",
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def write_json(path: str, data: dict[str, Any]) -> None:
-    """Write JSON atomically (temporary file + rename)."""
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file named by this process, then rename: a kill leaves the old
+    file or the new one, and processes writing the same file at once leave one writer's whole text."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
+        f.write(text)
     os.replace(tmp, path)
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    """Write JSON atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
