@@ -237,3 +237,33 @@ def test_a_bench_passes_ecospec_predictor_and_lambda_per_method():
     assert cell_eval_settings(bench, cell)["affinity"] == "/tmp/b/probes/seed2.safetensors"
     fields = {f.name for f in dataclasses.fields(EvalConfig)}
     assert {"affinity", "ecospec_lambda"} <= set(EVAL_VARIANT_DEFAULTS) <= fields
+
+
+def test_a_refitted_predictor_under_the_same_path_runs_the_cell_again(tmp_path):
+    """A cell is keyed by the contents of the files its evaluation reads (EcoSpec's probe, AcceptMoE's p̂), not by
+    their paths: refitting the probe in place changes the cell's fingerprint, rewriting the same bytes does not,
+    and a method that reads no such file keeps the fingerprint it had without one."""
+    from vat.bench.cells import cell_fingerprint, plan_cells
+
+    out = str(tmp_path / "b")
+    over = ["methods.a.recipe=tiny/eagle3.yaml", "reference=a", "methods.b.draft='{bench_dir}/cells/a/seed{seed}/x'",
+            "methods.b.eval.tree='4,6,16'", "methods.b.eval.tree_policy=ecospec",
+            "methods.b.eval.affinity='{bench_dir}/probes/seed{seed}.safetensors'", f"output_dir={out}", "seeds=[0]"]
+    bench = load_bench_config(None, over)
+    cells = {c.method: c for c in plan_cells(bench, out)}
+    probe = tmp_path / "b" / "probes" / "seed0.safetensors"
+    probe.parent.mkdir(parents=True)
+
+    def fingerprint(method):
+        return cell_fingerprint(bench, cells[method], "/t")
+
+    missing = fingerprint("b")
+    probe.write_bytes(b"first fit")
+    first = fingerprint("b")
+    probe.write_bytes(b"first fit")
+    assert fingerprint("b") == first != missing
+    probe.write_bytes(b"refitted")
+    assert fingerprint("b") != first
+    plain = fingerprint("a")
+    probe.write_bytes(b"again")
+    assert fingerprint("a") == plain

@@ -32,6 +32,7 @@ from vat.config import VatConfig, load_config
 from vat.errors import VatError
 from vat.eval.config import EVAL_DEFAULTS
 from vat.eval.run import run_eval
+from vat.export.checkpoint import write_json
 from vat.paths import resolve_recipe as packaged_recipe
 from vat.target.model import resolve_target_path
 from vat.train.checkpointing import list_checkpoints
@@ -256,13 +257,6 @@ def _read_json(path: str) -> Any:
         return None
 
 
-def _write_json(path: str, data: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)  # a kill never leaves half a file that looks finished
-
-
 # eval keys beside the original six, with the value that leaves `vat eval` as it was: a setting at its default is
 # left out of the settings (and so of every fingerprint), so benches that never set one keep their finished cells
 EVAL_VARIANT_DEFAULTS = {key: getattr(EVAL_DEFAULTS, key)
@@ -321,9 +315,33 @@ def draft_identity(path: str) -> str | None:
     return _sha("|".join(parts)) if found else None
 
 
+INPUT_FILE_KEYS = ("commitment", "affinity")  # eval settings that name a file the evaluation reads
+
+
+def input_identity(bench: Any, cell: Cell) -> dict:
+    """The contents of the files a cell's evaluation reads besides its draft (AcceptMoE's ``commitment``, EcoSpec's
+    ``affinity``), hashed by key: a file refitted under the same path runs the cell again. Empty when none is set."""
+    settings = cell_eval_settings(bench, cell)
+    out = {}
+    for key in INPUT_FILE_KEYS:
+        path = settings.get(key)
+        if not path:
+            continue
+        try:
+            with open(path, "rb") as f:
+                out[key] = hashlib.sha256(f.read()).hexdigest()[:16]
+        except OSError:
+            out[key] = "missing"
+    return out
+
+
 def cell_fingerprint(bench: Any, cell: Cell, target: str) -> str:
-    """Everything a finished cell's figures depend on, hashed: a change means the cell runs again."""
+    """Everything a finished cell's figures depend on, hashed: a change means the cell runs again (the files its
+    evaluation reads included, by content)."""
     parts = {"target": target, "eval": eval_settings(bench, method=cell.method)}
+    inputs = input_identity(bench, cell)
+    if inputs:  # left out when empty, so cells without such files keep their fingerprints
+        parts["inputs"] = inputs
     if cell.has_training:
         parts["train"] = _sha(config_identity(cell.train_cfg))
         parts["curve"] = {"steps": sorted(set(bench.curve.steps)), **eval_settings(bench, curve=True,
@@ -356,7 +374,7 @@ def finished(cell: Cell, fingerprint: str, bench: Any = None, target: str | None
         return record
     if bench is not None and target is not None and cell.has_training and _ran_as_wanted(bench, cell, target, record):
         record["fingerprint"] = fingerprint
-        _write_json(path, record)
+        write_json(path, record)
         return record
     return None
 
@@ -373,11 +391,14 @@ def _ran_as_wanted(bench: Any, cell: Cell, target: str, record: dict) -> bool:
     if saved is None or saved != config_identity(cell.train_cfg):
         return False
 
+    inputs = input_identity(bench, cell)
+    inputs = {"inputs": inputs} if inputs else {}
+
     def ran_with(directory: str, settings: dict) -> bool:
         recorded = _read_json(os.path.join(directory, SETTINGS_FILE)) or {}
         recorded.pop("train", None)  # the hash of the identity as the earlier vat wrote it
         recorded.pop("step", None)
-        return recorded == {"target": target, **settings, "drafts": [cell.method]}
+        return recorded == {"target": target, **settings, "drafts": [cell.method], **inputs}
 
     if not ran_with(os.path.join(cell.directory, "eval"), eval_settings(bench, method=cell.method)):
         return False
@@ -436,7 +457,7 @@ def train_stage(cfg: Any) -> dict:
         # a resumed run's earlier steps ran in a killed process: their step times come from the metrics log
         seconds = wall + sum(r["tokens"] / r["tokens_per_s"] for r in records
                              if r["step"] <= resumed and r.get("tokens_per_s"))
-        _write_json(os.path.join(run_dir, "bench_train.json"), {"seconds": seconds, "resumed_from_step": resumed})
+        write_json(os.path.join(run_dir, "bench_train.json"), {"seconds": seconds, "resumed_from_step": resumed})
     last = records[-1] if records else {}
     return {"final": final, "seconds": seconds, "steps": int(last.get("step", 0)),
             "tokens": sum(r.get("tokens", 0.0) for r in records), "final_tau_sim": last.get("tau_sim"),
@@ -494,7 +515,7 @@ def eval_stage(directory: str, drafts: list, target: str, settings: dict, identi
                       max_new_tokens=settings["max_new_tokens"], limit=settings["limit"], output=directory,
                       progress=progress, plots=False, autoregressive=False, reference_cache=reference_cache,
                       **variants)  # AR is its own cell
-    _write_json(os.path.join(directory, SETTINGS_FILE), recorded)
+    write_json(os.path.join(directory, SETTINGS_FILE), recorded)
     return {**result, "bench_seconds": time.time() - start, "bench_reused": False}
 
 
@@ -511,13 +532,15 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
     os.makedirs(cell.directory, exist_ok=True)
     record: dict[str, Any] = {"method": cell.method, "seed": cell.seed, "fingerprint": fingerprint}
     settings = cell_eval_settings(bench, cell)
+    inputs = input_identity(bench, cell)
+    inputs = {"inputs": inputs} if inputs else {}
     cache = reference_cache_dir(bench)
     if not cell.trained:
         result = eval_stage(os.path.join(cell.directory, "eval"), [cell.method], target, settings,
-                            {"drafts": [cell.method]}, progress, cache)
+                            {"drafts": [cell.method], **inputs}, progress, cache)
         record["eval"] = _eval_summary(result, cell.method, bench)
     elif cell.draft is not None:
-        identity = {"drafts": [cell.method], "draft": draft_identity(cell.draft)}
+        identity = {"drafts": [cell.method], "draft": draft_identity(cell.draft), **inputs}
         if identity["draft"] is None:
             raise VatError(f"method {cell.method}: draft {cell.draft} not found (train it first, e.g. with the bench "
                            "that makes it)")
@@ -528,14 +551,14 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
     else:
         train = train_stage(cell.train_cfg)
         record["train"] = {k: v for k, v in train.items() if k != "final"}
-        identity = {"drafts": [cell.method], "train": _sha(config_identity(cell.train_cfg))}
+        identity = {"drafts": [cell.method], "train": _sha(config_identity(cell.train_cfg)), **inputs}
         result = eval_stage(os.path.join(cell.directory, "eval"), [(cell.method, train["final"])], target,
                             settings, identity, progress, cache)
         record["eval"] = _eval_summary(result, cell.method, bench)
         record["curve"] = _curve(bench, cell, train, target, identity, progress)
         prune_checkpoints(cell.train_cfg.output_dir, sorted(set(bench.curve.steps)))
     record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    _write_json(os.path.join(cell.directory, CELL_FILE), record)
+    write_json(os.path.join(cell.directory, CELL_FILE), record)
     return record
 
 

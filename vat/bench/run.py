@@ -144,8 +144,8 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
     for i, cell in enumerate(cells, 1):
         head = f"[vat bench {i}/{len(cells)}] {cell.name}"
         own_target = cell.target_dir(target)
-        if cell.draft is not None:  # a draft an earlier cell of this bench trains exists only now: hash it now
-            fingerprints[i - 1] = cell_fingerprint(bench, cell, own_target)
+        # a draft or commitment file an earlier cell of this bench makes exists only now: hash it now
+        fingerprints[i - 1] = cell_fingerprint(bench, cell, own_target)
         fingerprint = fingerprints[i - 1]
         if finished(cell, fingerprint, bench, own_target) is not None:
             eta.done(cell, None)

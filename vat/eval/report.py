@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from vat.eval.plots import write_plots
+from vat.export.checkpoint import write_json
 
 MIB = 1024.0 * 1024.0
 ACCEPT_COLUMNS = 3  # acceptance-by-position columns shown in the tables
-
-
-def write_json(path: str, data: dict) -> None:
-    """Write JSON atomically (temporary file + rename)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def write_outputs(result: dict, output: str, plots: bool = True) -> dict[str, str]:
