@@ -465,6 +465,45 @@ def test_the_best_free_draft_is_picked_per_benchmark_and_shown_by_name():
     assert "ratio to ngram-vllm-1-3 (best free)" in he and "1.100 [1.100, 1.100]" in he
 
 
+def test_a_saturation_curve_ends_at_the_final_draft_and_says_where_it_passes_the_free_draft(tmp_path):
+    """Per-benchmark curve statistics over seeds, the final evaluation appended as the last point only when the
+    curve's prompts are the evaluation's, the step where a method's mean τ first reaches the best free draft, and
+    the per-benchmark PNG."""
+    from vat.bench.plots import plot_curve_by_benchmark
+    from vat.bench.summary import _curve_lines, curve_statistics
+
+    def cell(seed, sb, he, final):  # τ per benchmark at steps 100 and 200, then the 400-step final evaluation
+        curve = [{"step": s, "tokens": s * 10.0, "tau": None if t is None else (t[0] + t[1]) / 2,
+                  "tau_per_benchmark": {"sb": t[0], "he": t[1]}} for s, t in ((100, (sb[0], he[0])),
+                                                                             (200, (sb[1], he[1])))]
+        return {"seed": seed, "curve": curve, "train": {"steps": 400, "tokens": 4000.0},
+                "eval": {"tau": {"sb": final[0], "he": final[1]}}}
+
+    records = {"eagle3": [cell(0, (1.2, 1.6), (1.3, 1.9), (2.1, 2.4)), cell(1, (1.4, 1.8), (1.5, 2.1), (2.3, 2.6))],
+               "vat": [cell(0, (1.5, 2.0), (1.5, 2.0), (2.4, 2.8))]}
+    curve = curve_statistics(records, final_on_curve=True)
+    assert [p["step"] for p in curve["eagle3"]] == [100, 200, 400]
+    last = curve["eagle3"][-1]
+    assert last["tokens"] == 4000.0 and last["tau_mean"] is None  # cell.json keeps no pooled τ of the final
+    assert last["per_benchmark"]["sb"] == pytest.approx({"mean": 2.2, "min": 2.1, "max": 2.3})
+    assert curve["eagle3"][1]["per_benchmark"]["he"] == pytest.approx({"mean": 2.0, "min": 1.9, "max": 2.1})
+    assert curve["eagle3"][0]["tau_mean"] == pytest.approx((1.25 + 1.45) / 2)
+    assert [p["step"] for p in curve_statistics(records)["eagle3"]] == [100, 200]  # other prompts: not on the curve
+
+    est = lambda v: {"value": v, "low": v, "high": v}  # noqa: E731
+    summary = {"curve": curve, "benchmarks": ["sb", "he"], "best_free": {"none": {"sb": "suffix", "he": "suffix"}},
+               "results": {"suffix": {"none": {"sb": {"tau": est(1.9)}, "he": {"tau": est(2.5)}}}}}
+    text = "\n".join(_curve_lines(summary))
+    assert "| eagle3 | 400 | 4,000 | – | – | 2.200 | 2.500 | 2 |" in text
+    assert "- sb: best free draft `suffix`, τ 1.900; reached by eagle3 at step 400, vat at step 200." in text
+    assert "- he: best free draft `suffix`, τ 2.500; reached by eagle3 at step 400, vat at step 400." in text
+    records["vat"][0]["eval"]["tau"]["he"] = 2.4
+    summary["curve"] = curve_statistics(records, final_on_curve=True)
+    assert "vat not within the curve" in "\n".join(_curve_lines(summary))
+    png = plot_curve_by_benchmark(summary, str(tmp_path / "curve.png"))
+    assert open(png, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_benches_sharing_their_cells_report_apart(tmp_path):
     from vat.bench.run import report_dir
 

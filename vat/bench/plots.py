@@ -11,7 +11,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 from PIL import Image
 
-from vat.bench.summary import GOAL_BYTES, GOAL_TAU, NO_BUDGET
+from vat.bench.summary import GOAL_BYTES, GOAL_TAU, NO_BUDGET, free_tau
 
 PNG_DPI = 100  # the bench PNGs are records kept in the repository: legible, and optimized to stay small
 
@@ -96,6 +96,40 @@ def plot_tau_vs_tokens(summary: dict, path: str) -> str | None:
     ax.set_title("τ against training tokens (mean over seeds, band = seed range)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_png(fig, path)
+    plt.close(fig)
+    return path
+
+
+def plot_curve_by_benchmark(summary: dict, path: str) -> str | None:
+    """One panel per benchmark: τ against training tokens per method (mean over seeds, band = seed range) with the
+    best free draft's τ as a dashed line, to see where a trained draft passes it; None without a curve."""
+    curve = summary.get("curve") or {}
+    benches = [b for b in summary["benchmarks"]
+               if any(b in p.get("per_benchmark", {}) for points in curve.values() for p in points)]
+    if not benches:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(benches), figsize=(5.5 * len(benches), 4), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        for label, points in curve.items():
+            points = [p for p in points if bench in p.get("per_benchmark", {})]
+            if not points:
+                continue
+            xs = [p["tokens"] for p in points]
+            stats = [p["per_benchmark"][bench] for p in points]
+            line, = ax.plot(xs, [t["mean"] for t in stats], marker="o", label=label)
+            ax.fill_between(xs, [t["min"] for t in stats], [t["max"] for t in stats], alpha=0.2,
+                            color=line.get_color(), linewidth=0)
+        free = free_tau(summary, bench)
+        if free is not None:
+            ax.axhline(free[1], color="black", linestyle="--", linewidth=1, label=f"best free: {free[0]}")
+        ax.set_title(bench)
+        ax.set_xlabel("training tokens per draft")
+        ax.set_ylabel("τ (tokens per verification round)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     save_png(fig, path)
     plt.close(fig)
@@ -197,12 +231,13 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
 
 
 def write_plots(summary: dict, out: str) -> list[str]:
-    """``tau_by_benchmark.png`` (``tau_by_benchmark_B<b>.png`` per budget), ``tau_vs_tokens.png`` and
-    ``pareto_mib.png`` (τ against expert MiB per generated token, every method x budget)."""
+    """``tau_by_benchmark.png`` (``tau_by_benchmark_B<b>.png`` per budget), ``tau_vs_tokens.png``,
+    ``tau_vs_tokens_by_benchmark.png`` (with the best free draft) and ``pareto_mib.png`` (τ against expert MiB per generated token, every method x budget)."""
     written = []
     for budget in summary["budgets"]:
         name = "tau_by_benchmark.png" if budget == NO_BUDGET else f"tau_by_benchmark_B{budget}.png"
         written.append(plot_tau_intervals(summary, budget, os.path.join(out, name)))
     written.append(plot_tau_vs_tokens(summary, os.path.join(out, "tau_vs_tokens.png")))
+    written.append(plot_curve_by_benchmark(summary, os.path.join(out, "tau_vs_tokens_by_benchmark.png")))
     written.append(plot_pareto_bytes(summary, os.path.join(out, "pareto_mib.png")))
     return [p for p in written if p]

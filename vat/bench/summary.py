@@ -333,17 +333,33 @@ def train_statistics(records: dict[str, list[dict]]) -> dict:
     return out
 
 
-def curve_statistics(records: dict[str, list[dict]]) -> dict:
-    """Per method and curve step: τ mean over seeds with the min/max spread, training tokens (mean over seeds)."""
+def curve_statistics(records: dict[str, list[dict]], final_on_curve: bool = False) -> dict:
+    """Per method and curve step: τ pooled over benchmarks and per benchmark (mean over seeds with the min/max
+    spread), training tokens (mean over seeds).
+
+    ``final_on_curve`` (the curve's prompts are the evaluation's: same limit) adds each cell's final evaluation as the
+    last point, per benchmark only (cell.json keeps no pooled τ of it), so a curve reaches the trained draft.
+    """
     out = {}
     for label, cells in records.items():
         by_step: dict[int, list[tuple[Any, dict]]] = {}
         for cell in cells:
-            for point in cell.get("curve") or []:
+            points = list(cell.get("curve") or [])
+            steps = {p["step"] for p in points}
+            train, evaluated = cell.get("train") or {}, (cell.get("eval") or {}).get("tau")
+            if final_on_curve and points and evaluated and train.get("steps") not in steps:
+                points.append({"step": train["steps"], "tokens": train["tokens"], "tau": None,
+                               "tau_per_benchmark": evaluated})
+            for point in points:
                 by_step.setdefault(point["step"], []).append((cell["seed"], point))
         points = []
         for step in sorted(by_step):
             taus = [p["tau"] for _, p in by_step[step] if p["tau"] is not None]
+            per_bench: dict[str, list[float]] = {}
+            for _, p in by_step[step]:
+                for name, tau in (p.get("tau_per_benchmark") or {}).items():
+                    if tau is not None:
+                        per_bench.setdefault(name, []).append(tau)
             points.append({
                 "step": step,
                 "tokens": float(np.mean([p["tokens"] for _, p in by_step[step]])),
@@ -351,6 +367,8 @@ def curve_statistics(records: dict[str, list[dict]]) -> dict:
                 "tau_min": min(taus) if taus else None,
                 "tau_max": max(taus) if taus else None,
                 "per_seed": {str(seed): p["tau"] for seed, p in by_step[step]},
+                "per_benchmark": {name: {"mean": _mean(v), "min": min(v), "max": max(v)}
+                                  for name, v in per_bench.items()},
             })
         if points:
             out[label] = points
@@ -411,7 +429,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "best_free": best_free_drafts(results, list(bench.baselines)),
         "front": front_statistics(rows, labels, bench.reference, bench.bootstrap),
         "train": train_statistics(records),
-        "curve": curve_statistics(records),
+        "curve": curve_statistics(records, final_on_curve=bench.curve.limit == bench.eval.limit),
         "cells": {label: {("baseline" if r["seed"] is None else f"seed{r['seed']}"): r for r in rs}
                   for label, rs in records.items()},
         "free_drafts": free_draft_settings(done_cells),
@@ -642,20 +660,53 @@ def _lossless_lines(labels: list[str], rows: list[dict | None]) -> list[str]:
 
 
 def _curve_lines(summary: dict) -> list[str]:
-    """The τ-against-training-tokens section ([] without a curve)."""
+    """The τ-against-training-tokens section ([] without a curve): pooled and per-benchmark τ per step, then where
+    each method's mean τ first reaches the best free draft's."""
     if not summary["curve"]:
         return []
+    benches = [b for b in summary["benchmarks"]
+               if any(b in p.get("per_benchmark", {}) for points in summary["curve"].values() for p in points)]
     lines = ["## τ against training tokens", "",
-             "Checkpoints evaluated on the curve's prompt subset, τ pooled over benchmarks; mean over seeds and "
-             "the range.", "",
-             "| method | step | training tokens | τ mean | τ min–max | seeds |", "|---|---|---|---|---|---|"]
+             "Checkpoints evaluated on the curve's prompt subset (the last step is the final evaluation when the "
+             "curve's prompts are the evaluation's), τ pooled over benchmarks and per benchmark; mean over seeds "
+             "and the range.", "",
+             "| method | step | training tokens | τ pooled | τ min–max | " + " | ".join(benches) + " | seeds |",
+             "|---|---|---|---|---|" + "---|" * len(benches) + "---|"]
     for label, points in summary["curve"].items():
         for p in points:
             spread = "–" if p["tau_min"] is None else f"{p['tau_min']:.3f}–{p['tau_max']:.3f}"
             mean = "–" if p["tau_mean"] is None else f"{p['tau_mean']:.3f}"
-            lines.append(f"| {label} | {p['step']} | {p['tokens']:,.0f} | {mean} | {spread} | {len(p['per_seed'])} |")
-    lines.append("")
+            per = [p.get("per_benchmark", {}).get(b) for b in benches]
+            cells = ["–" if t is None else f"{t['mean']:.3f}" for t in per]
+            lines.append(f"| {label} | {p['step']} | {p['tokens']:,.0f} | {mean} | {spread} | "
+                         + " | ".join(cells) + f" | {len(p['per_seed'])} |")
+    lines += [""] + _crossing_lines(summary, benches)
     return lines
+
+
+def free_tau(summary: dict, bench: str) -> tuple[str, float] | None:
+    """The best free draft on ``bench`` at natural routing and its τ (None when the bench has none)."""
+    label = summary.get("best_free", {}).get(NO_BUDGET, {}).get(bench)
+    if label is None:
+        return None
+    return label, summary["results"][label][NO_BUDGET][bench]["tau"]["value"]
+
+
+def _crossing_lines(summary: dict, benches: list[str]) -> list[str]:
+    """Per benchmark: the best free draft's τ and the first curve step where each method's mean τ reaches it."""
+    out = []
+    for bench in benches:
+        free = free_tau(summary, bench)
+        if free is None:
+            continue
+        label, tau = free
+        reached = []
+        for method, points in summary["curve"].items():
+            first = next((p for p in points if (p.get("per_benchmark", {}).get(bench) or {}).get("mean", 0) >= tau),
+                         None)
+            reached.append(f"{method} {'not within the curve' if first is None else 'at step ' + str(first['step'])}")
+        out.append(f"- {bench}: best free draft `{label}`, τ {tau:.3f}; reached by " + ", ".join(reached) + ".")
+    return out + ([""] if out else [])
 
 
 def _train_lines(train: dict) -> list[str]:
