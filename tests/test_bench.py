@@ -492,6 +492,7 @@ def test_a_saturation_curve_ends_at_the_final_draft_and_says_where_it_passes_the
 
     est = lambda v: {"value": v, "low": v, "high": v}  # noqa: E731
     summary = {"curve": curve, "benchmarks": ["sb", "he"], "best_free": {"none": {"sb": "suffix", "he": "suffix"}},
+               "curve_on_eval_prompts": True,
                "results": {"suffix": {"none": {"sb": {"tau": est(1.9)}, "he": {"tau": est(2.5)}}}}}
     text = "\n".join(_curve_lines(summary))
     assert "| eagle3 | 400 | 4,000 | – | – | 2.200 | 2.500 | 2 |" in text
@@ -500,6 +501,9 @@ def test_a_saturation_curve_ends_at_the_final_draft_and_says_where_it_passes_the
     records["vat"][0]["eval"]["tau"]["he"] = 2.4
     summary["curve"] = curve_statistics(records, final_on_curve=True)
     assert "vat not within the curve" in "\n".join(_curve_lines(summary))
+    summary["curve_on_eval_prompts"] = False  # a curve on a prompt subset is not compared with the free drafts
+    assert "best free draft" not in "\n".join(_curve_lines(summary))
+    summary["curve_on_eval_prompts"] = True
     png = plot_curve_by_benchmark(summary, str(tmp_path / "curve.png"))
     assert open(png, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
 

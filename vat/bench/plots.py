@@ -104,7 +104,8 @@ def plot_tau_vs_tokens(summary: dict, path: str) -> str | None:
 
 def plot_curve_by_benchmark(summary: dict, path: str) -> str | None:
     """One panel per benchmark: τ against training tokens per method (mean over seeds, band = seed range) with the
-    best free draft's τ as a dashed line, to see where a trained draft passes it; None without a curve."""
+    best free draft's τ as a dashed line when the curve ran on its prompts, to see where a trained draft passes it;
+    None without a curve."""
     curve = summary.get("curve") or {}
     benches = [b for b in summary["benchmarks"]
                if any(b in p.get("per_benchmark", {}) for points in curve.values() for p in points)]
@@ -122,7 +123,7 @@ def plot_curve_by_benchmark(summary: dict, path: str) -> str | None:
             line, = ax.plot(xs, [t["mean"] for t in stats], marker="o", label=label)
             ax.fill_between(xs, [t["min"] for t in stats], [t["max"] for t in stats], alpha=0.2,
                             color=line.get_color(), linewidth=0)
-        free = free_tau(summary, bench)
+        free = free_tau(summary, bench) if summary.get("curve_on_eval_prompts") else None
         if free is not None:
             ax.axhline(free[1], color="black", linestyle="--", linewidth=1, label=f"best free: {free[0]}")
         ax.set_title(bench)

@@ -430,6 +430,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "front": front_statistics(rows, labels, bench.reference, bench.bootstrap),
         "train": train_statistics(records),
         "curve": curve_statistics(records, final_on_curve=bench.curve.limit == bench.eval.limit),
+        "curve_on_eval_prompts": bench.curve.limit == bench.eval.limit,  # comparable with the free drafts' τ
         "cells": {label: {("baseline" if r["seed"] is None else f"seed{r['seed']}"): r for r in rs}
                   for label, rs in records.items()},
         "free_drafts": free_draft_settings(done_cells),
@@ -693,8 +694,11 @@ def free_tau(summary: dict, bench: str) -> tuple[str, float] | None:
 
 
 def _crossing_lines(summary: dict, benches: list[str]) -> list[str]:
-    """Per benchmark: the best free draft's τ and the first curve step where each method's mean τ reaches it."""
+    """Per benchmark: the best free draft's τ and the first curve step where each method's mean τ reaches it (only
+    when the curve ran on the evaluation's prompts, the free drafts' own)."""
     out = []
+    if not summary.get("curve_on_eval_prompts"):
+        return out
     for bench in benches:
         free = free_tau(summary, bench)
         if free is None:
