@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from tiny_models import save_tiny_target
+from transformers import AutoTokenizer
 
 from vat.config import load_config
 from vat.errors import VatError
@@ -315,3 +316,21 @@ def test_recipes_load():
     for recipe in ("recipes/tiny/window_pool.yaml", "recipes/olmoe_1b_7b/window_pool.yaml"):
         cfg = load_config(recipe)
         assert cfg.kind == "window_pool" and cfg.window_pool.pools[0] >= 1
+
+
+def test_the_bench_builds_pretraining_text_includes_its_code_chats(workspace):
+    """`tiny-pretrain` / `tiny-heldout` for the bench target are what its build trained on and held out: the ShareGPT
+    conversations and the standard library's functions as code chats (30 % of its text), not ShareGPT alone."""
+    from vat.data_prep.tiny_target import pack_conversations, read_conversations, spec_for
+    from vat.paths import sharegpt_path
+    from vat.window_pool.data import heldout_sequences, training_rows
+
+    spec = spec_for("bench")
+    chat_train, chat_heldout, _ = read_conversations(sharegpt_path(), spec)
+    tokenizer = AutoTokenizer.from_pretrained(workspace["target"])
+    rows = training_rows("tiny-pretrain", "tiny-bench", workspace["target"], None, None)
+    chat_rows = pack_conversations(tokenizer, chat_train, spec)
+    assert len(rows) > 1.2 * len(chat_rows)  # the code chats add ~30 % of the text
+    assert rows.ids[:len(chat_rows) - 1] == chat_rows[:-1].tolist()  # in the build's order: chat first
+    heldout = heldout_sequences("tiny-heldout", "tiny-bench", workspace["target"], 64, None)
+    assert len(heldout) == len(chat_heldout) + spec.code_heldout

@@ -1,7 +1,7 @@
 """Text for Window Pool: the target's pretraining-style rows to train on, and held-out sequences to measure.
 
-``tiny-pretrain`` is the embedded target's own pretraining text: the training split of its ShareGPT build
-(:func:`vat.data_prep.tiny_target.read_conversations`), rendered with its chat template and packed into rows of its
+``tiny-pretrain`` is the embedded target's own pretraining text: the training split of its build (ShareGPT, and the
+code chats for the bench build: :func:`vat.data_prep.tiny_target.read_training_chats`), rendered with its chat template and packed into rows of its
 ``seq_len`` exactly as it was pretrained; ``tiny-heldout`` is that build's held-out conversations (the set its build
 report measures perplexity on), never seen by the target nor by Window Pool training. Any other value is a prepared
 dataset directory (``vat prep chat``) or the tiny names of :mod:`vat.train.defaults`.
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer
 
-from vat.data_prep.tiny_target import encode_heldout, pack_conversations, read_conversations, spec_for
+from vat.data_prep.tiny_target import encode_heldout, pack_conversations, read_training_chats, spec_for
 from vat.errors import VatError
-from vat.paths import TINY_TARGET_NAMES, sharegpt_path, tiny_size
+from vat.paths import TINY_TARGET_NAMES, tiny_size
 from vat.train.data import load_prepared
 from vat.train.defaults import TINY_DATA_NAMES, resolve_train_data
 
@@ -42,9 +42,11 @@ class TokenRows:
 
 
 def _tiny_split(target_name: str, tokenizer_dir: str):
+    """The build's own training conversations (ShareGPT, plus the code chats of a build that mixes them, in the order
+    its pretraining packed them) and its held-out ones (chat, then code)."""
     spec = spec_for(tiny_size(target_name))
-    train, heldout, _ = read_conversations(sharegpt_path(), spec)
-    return spec, train, heldout, AutoTokenizer.from_pretrained(tokenizer_dir)
+    train, heldout, _ = read_training_chats(spec)
+    return spec, train, [conv for convs in heldout.values() for conv in convs], AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def training_rows(name: str, target_path: str, tokenizer_dir: str, max_length: int | None,
