@@ -76,6 +76,29 @@ def plot_tau_intervals(summary: dict, budget: str, path: str) -> str | None:
     return path
 
 
+def _draw_curves(ax, curves: dict[str, list[tuple[float, float, float, float]]], title: str) -> None:
+    """One line per method over (tokens, mean, min, max) points, the seed range as a band, on a labelled axis."""
+    for label, points in curves.items():
+        if not points:
+            continue
+        xs, means, lows, highs = zip(*points)
+        line, = ax.plot(xs, means, marker="o", label=label)
+        ax.fill_between(xs, lows, highs, alpha=0.2, color=line.get_color(), linewidth=0)
+    ax.set_title(title)
+    ax.set_xlabel("training tokens per draft")
+    ax.set_ylabel("τ (tokens per verification round)")
+    ax.grid(alpha=0.3)
+
+
+def _save_figure(plt, fig, axes, path: str) -> str:
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_png(fig, path)
+    plt.close(fig)
+    return path
+
+
 def plot_tau_vs_tokens(summary: dict, path: str) -> str | None:
     """τ against training tokens per method: mean over seeds (line) and the seed range (band); None without a curve."""
     curve = summary.get("curve") or {}
@@ -83,23 +106,10 @@ def plot_tau_vs_tokens(summary: dict, path: str) -> str | None:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, points in curve.items():
-        points = [p for p in points if p["tau_mean"] is not None]
-        if not points:
-            continue
-        xs = [p["tokens"] for p in points]
-        line, = ax.plot(xs, [p["tau_mean"] for p in points], marker="o", label=label)
-        ax.fill_between(xs, [p["tau_min"] for p in points], [p["tau_max"] for p in points], alpha=0.2,
-                        color=line.get_color(), linewidth=0)
-    ax.set_xlabel("training tokens per draft")
-    ax.set_ylabel("τ (tokens per verification round)")
-    ax.set_title("τ against training tokens (mean over seeds, band = seed range)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    save_png(fig, path)
-    plt.close(fig)
-    return path
+    _draw_curves(ax, {label: [(p["tokens"], p["tau_mean"], p["tau_min"], p["tau_max"])
+                              for p in points if p["tau_mean"] is not None] for label, points in curve.items()},
+                 "τ against training tokens (mean over seeds, band = seed range)")
+    return _save_figure(plt, fig, [ax], path)
 
 
 def plot_curve_by_benchmark(summary: dict, path: str) -> str | None:
@@ -114,27 +124,13 @@ def plot_curve_by_benchmark(summary: dict, path: str) -> str | None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(benches), figsize=(5.5 * len(benches), 4), squeeze=False)
     for ax, bench in zip(axes[0], benches):
-        for label, points in curve.items():
-            points = [p for p in points if bench in p.get("per_benchmark", {})]
-            if not points:
-                continue
-            xs = [p["tokens"] for p in points]
-            stats = [p["per_benchmark"][bench] for p in points]
-            line, = ax.plot(xs, [t["mean"] for t in stats], marker="o", label=label)
-            ax.fill_between(xs, [t["min"] for t in stats], [t["max"] for t in stats], alpha=0.2,
-                            color=line.get_color(), linewidth=0)
+        _draw_curves(ax, {label: [(p["tokens"], *(p["per_benchmark"][bench][k] for k in ("mean", "min", "max")))
+                                  for p in points if bench in p.get("per_benchmark", {})]
+                          for label, points in curve.items()}, bench)
         free = free_tau(summary, bench) if summary.get("curve_on_eval_prompts") else None
         if free is not None:
             ax.axhline(free[1], color="black", linestyle="--", linewidth=1, label=f"best free: {free[0]}")
-        ax.set_title(bench)
-        ax.set_xlabel("training tokens per draft")
-        ax.set_ylabel("τ (tokens per verification round)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    save_png(fig, path)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, list(axes[0]), path)
 
 
 def pareto_points(summary: dict, bench: str) -> list[dict]:
