@@ -37,4 +37,5 @@ done
 echo "[window pool] $(date -u +%H:%M) perplexity grid"
 $VAT profile --perplexity-grid --target "$TARGET" "${compare[@]}" --limit "$LIMIT" --windows 4,8,16,32 \
   --pools "$GRID_POOLS" --budgets "$BUDGETS" --output "$OUT/grid" > "$OUT/grid.log" 2>&1
-echo "[window pool] $(date -u +%H:%M) done: $OUT/grid/perplexity_grid.md"
+"${PYTHON:-python}" scripts/window_pool_seeds.py "$OUT/grid/perplexity_grid.json" --output "$OUT/grid/seeds.md" > /dev/null
+echo "[window pool] $(date -u +%H:%M) done: $OUT/grid/perplexity_grid.md, $OUT/grid/seeds.md (each arm over seeds)"

@@ -334,3 +334,30 @@ def test_the_bench_builds_pretraining_text_includes_its_code_chats(workspace):
     assert rows.ids[:len(chat_rows) - 1] == chat_rows[:-1].tolist()  # in the build's order: chat first
     heldout = heldout_sequences("tiny-heldout", "tiny-bench", workspace["target"], 64, None)
     assert len(heldout) == len(chat_heldout) + spec.code_heldout
+
+
+def test_the_seed_summary_judges_each_arm_on_every_constrained_cell():
+    """scripts/window_pool_seeds.py on a hand-built grid: per-seed ratios to the base, the t interval over seeds, and
+    the goal met only when every constrained cell is below the base and natural perplexity is within +2 %."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "window_pool_seeds.py")
+    spec = importlib.util.spec_from_file_location("window_pool_seeds", path)
+    seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seeds)
+
+    def cells(natural, w8):
+        return {"natural": {"ppl": natural}, "W8_d4": {"ppl": w8}}
+
+    grid = {"results": {"base": cells(100.0, 200.0),
+                        "wp_s0": cells(101.0, 180.0), "wp_s1": cells(101.0, 184.0), "wp_s2": cells(101.0, 182.0),
+                        "ctl_s0": cells(100.0, 190.0), "ctl_s1": cells(100.0, 210.0), "ctl_s2": cells(100.0, 200.0),
+                        "fat_s0": cells(104.0, 150.0), "fat_s1": cells(104.0, 152.0)}}
+    ratios = seeds.seed_ratios(grid)
+    assert ratios["wp"]["W8_d4"] == pytest.approx({0: 0.90, 1: 0.92, 2: 0.91})
+    assert seeds.verdict(ratios["wp"]).startswith("met: below the base in 1 of 1")
+    assert seeds.verdict(ratios["ctl"]).startswith("not met: below the base in 0 of 1")  # 0.95..1.05 spans 1
+    assert "unconstrained perplexity +4.0 %" in seeds.verdict(ratios["fat"])
+    assert seeds.verdict(ratios["fat"]).startswith("not met")  # better under the constraint, too costly without
+    text = seeds.markdown(grid)
+    assert "| W8_d4 | 0.910 [" in text and "0.900 / 0.920 / 0.910" in text
