@@ -37,12 +37,12 @@ def verdict(cells: dict[str, dict[int, float]]) -> str:
     """The goal on one arm: every constrained cell's upper t bound below 1, natural perplexity at most +2 %."""
     natural = cells.get("natural", {})
     natural_mean = sum(natural.values()) / len(natural) if natural else float("nan")
-    uppers = [t_interval(list(v.values())) for cell, v in cells.items() if cell != "natural"]
-    if any(u is None for u in uppers):
+    intervals = [t_interval(list(v.values())) for cell, v in cells.items() if cell != "natural"]
+    if any(est is None for est in intervals):
         return "not judged (fewer than 2 seeds)"
-    beaten = sum(u.high < 1.0 for u in uppers)
-    met = beaten == len(uppers) and natural_mean <= UNCONSTRAINED_LIMIT
-    return (f"{'met' if met else 'not met'}: below the base in {beaten} of {len(uppers)} constrained cells, "
+    beaten = sum(est.high < 1.0 for est in intervals)
+    met = beaten == len(intervals) and natural_mean <= UNCONSTRAINED_LIMIT
+    return (f"{'met' if met else 'not met'}: below the base in {beaten} of {len(intervals)} constrained cells, "
             f"unconstrained perplexity {100 * (natural_mean - 1):+.1f} %")
 
 

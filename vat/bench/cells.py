@@ -319,29 +319,27 @@ INPUT_FILE_KEYS = ("commitment", "affinity")  # eval settings that name a file t
 
 
 def input_identity(bench: Any, cell: Cell) -> dict:
-    """The contents of the files a cell's evaluation reads besides its draft (AcceptMoE's ``commitment``, EcoSpec's
-    ``affinity``), hashed by key: a file refitted under the same path runs the cell again. Empty when none is set."""
+    """``{"inputs": {key: hash}}``: the contents of the files a cell's evaluation reads besides its draft (AcceptMoE's
+    ``commitment``, EcoSpec's ``affinity``), so a file refitted under the same path runs the cell again. ``{}`` when
+    none is set, so cells without such files keep their fingerprints and recorded settings."""
     settings = cell_eval_settings(bench, cell)
-    out = {}
+    hashes = {}
     for key in INPUT_FILE_KEYS:
         path = settings.get(key)
         if not path:
             continue
         try:
             with open(path, "rb") as f:
-                out[key] = hashlib.sha256(f.read()).hexdigest()[:16]
+                hashes[key] = hashlib.sha256(f.read()).hexdigest()[:16]
         except OSError:
-            out[key] = "missing"
-    return out
+            hashes[key] = "missing"
+    return {"inputs": hashes} if hashes else {}
 
 
 def cell_fingerprint(bench: Any, cell: Cell, target: str) -> str:
     """Everything a finished cell's figures depend on, hashed: a change means the cell runs again (the files its
     evaluation reads included, by content)."""
-    parts = {"target": target, "eval": eval_settings(bench, method=cell.method)}
-    inputs = input_identity(bench, cell)
-    if inputs:  # left out when empty, so cells without such files keep their fingerprints
-        parts["inputs"] = inputs
+    parts = {"target": target, "eval": eval_settings(bench, method=cell.method), **input_identity(bench, cell)}
     if cell.has_training:
         parts["train"] = _sha(config_identity(cell.train_cfg))
         parts["curve"] = {"steps": sorted(set(bench.curve.steps)), **eval_settings(bench, curve=True,
@@ -392,7 +390,6 @@ def _ran_as_wanted(bench: Any, cell: Cell, target: str, record: dict) -> bool:
         return False
 
     inputs = input_identity(bench, cell)
-    inputs = {"inputs": inputs} if inputs else {}
 
     def ran_with(directory: str, settings: dict) -> bool:
         recorded = _read_json(os.path.join(directory, SETTINGS_FILE)) or {}
@@ -533,7 +530,6 @@ def run_cell(bench: Any, cell: Cell, target: str, fingerprint: str, progress: bo
     record: dict[str, Any] = {"method": cell.method, "seed": cell.seed, "fingerprint": fingerprint}
     settings = cell_eval_settings(bench, cell)
     inputs = input_identity(bench, cell)
-    inputs = {"inputs": inputs} if inputs else {}
     cache = reference_cache_dir(bench)
     if not cell.trained:
         result = eval_stage(os.path.join(cell.directory, "eval"), [cell.method], target, settings,

@@ -91,6 +91,7 @@ def _draw_curves(ax, curves: dict[str, list[tuple[float, float, float, float]]],
 
 
 def _save_figure(plt, fig, axes, path: str) -> str:
+    """Legends on ``axes``, then the figure as the bench's palette PNG at ``path``; returns ``path``."""
     for ax in axes:
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -229,7 +230,8 @@ def plot_pareto_bytes(summary: dict, path: str) -> str | None:
 
 def write_plots(summary: dict, out: str) -> list[str]:
     """``tau_by_benchmark.png`` (``tau_by_benchmark_B<b>.png`` per budget), ``tau_vs_tokens.png``,
-    ``tau_vs_tokens_by_benchmark.png`` (with the best free draft) and ``pareto_mib.png`` (τ against expert MiB per generated token, every method x budget)."""
+    ``tau_vs_tokens_by_benchmark.png`` (with the best free draft) and ``pareto_mib.png`` (τ against expert MiB per
+    generated token, every method x budget)."""
     written = []
     for budget in summary["budgets"]:
         name = "tau_by_benchmark.png" if budget == NO_BUDGET else f"tau_by_benchmark_B{budget}.png"

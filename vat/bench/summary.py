@@ -406,6 +406,7 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
     budgets = list(dict.fromkeys(_budget_label(b) for label in [None, *bench.methods]
                                  for b in method_eval(bench, label)["budgets"]))  # the bench's, then methods' own
     rows = per_prompt_table(done_cells)
+    on_eval_prompts = bench.curve.limit == bench.eval.limit  # the curve's checkpoints ran on the evaluation's prompts
     results = method_statistics(rows, labels, bench.reference, bench.bootstrap,
                                 versus=versus_labels(bench.baselines, bench.compare))
     return {
@@ -429,8 +430,8 @@ def build_summary(bench: Any, cells: list[Cell], fingerprints: list[str], target
         "best_free": best_free_drafts(results, list(bench.baselines)),
         "front": front_statistics(rows, labels, bench.reference, bench.bootstrap),
         "train": train_statistics(records),
-        "curve": curve_statistics(records, final_on_curve=bench.curve.limit == bench.eval.limit),
-        "curve_on_eval_prompts": bench.curve.limit == bench.eval.limit,  # comparable with the free drafts' τ
+        "curve": curve_statistics(records, final_on_curve=on_eval_prompts),
+        "curve_on_eval_prompts": on_eval_prompts,  # comparable with the free drafts' τ
         "cells": {label: {("baseline" if r["seed"] is None else f"seed{r['seed']}"): r for r in rs}
                   for label, rs in records.items()},
         "free_drafts": free_draft_settings(done_cells),

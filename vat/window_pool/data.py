@@ -1,8 +1,8 @@
 """Text for Window Pool: the target's pretraining-style rows to train on, and held-out sequences to measure.
 
 ``tiny-pretrain`` is the embedded target's own pretraining text: the training split of its build (ShareGPT, and the
-code chats for the bench build: :func:`vat.data_prep.tiny_target.read_training_chats`), rendered with its chat template and packed into rows of its
-``seq_len`` exactly as it was pretrained; ``tiny-heldout`` is that build's held-out conversations (the set its build
+code chats for the bench build: :func:`vat.data_prep.tiny_target.read_training_chats`), rendered with its chat
+template and packed into rows of its ``seq_len`` exactly as it was pretrained; ``tiny-heldout`` is that build's held-out conversations (the set its build
 report measures perplexity on), never seen by the target nor by Window Pool training. Any other value is a prepared
 dataset directory (``vat prep chat``) or the tiny names of :mod:`vat.train.defaults`.
 """
@@ -46,7 +46,8 @@ def _tiny_split(target_name: str, tokenizer_dir: str):
     its pretraining packed them) and its held-out ones (chat, then code)."""
     spec = spec_for(tiny_size(target_name))
     train, heldout, _ = read_training_chats(spec)
-    return spec, train, [conv for convs in heldout.values() for conv in convs], AutoTokenizer.from_pretrained(tokenizer_dir)
+    heldout_all = [conv for convs in heldout.values() for conv in convs]
+    return spec, train, heldout_all, AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def training_rows(name: str, target_path: str, tokenizer_dir: str, max_length: int | None,
