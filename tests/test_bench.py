@@ -544,6 +544,54 @@ def test_greedy_cells_are_checked_against_autoregressive_outputs(tmp_path):
     assert "NOT lossless: vat 2/2, eagle3 1/2." in markdown(summary)
 
 
+def test_cells_priced_under_offload_get_h2d_per_token_and_ratios_to_the_reference(tmp_path):
+    """Two seeds of a reference and a method priced at C = 4 (hand-made counts): bench.json pools H2D bytes per
+    delivered token and the hit rate over seeds and prompts, pairs the method with the reference seed by seed on H2D
+    per token and on the modeled speed-up under offload, and bench.md gives a row per method and C plus AR's."""
+    from types import SimpleNamespace
+
+    from vat.bench.cells import Cell
+    from vat.bench.summary import MIB, markdown, method_statistics, per_prompt_table
+
+    def prompt(qid, kept, h2d, hits, seconds):
+        counts = {"h2d_bytes": h2d * MIB, "hits": hits, "executed": 10, "ar_h2d_bytes": 2 * MIB, "ar_hits": 9,
+                  "ar_executed": 10, "modeled_seconds": seconds, "modeled_ar_seconds": 1.0}
+        return {"question_id": qid, "committed": kept, "kept": kept, "rounds": 2, "offload": {"4": counts}}
+
+    def write(label, seed, rows):
+        cell = Cell(label, seed, str(tmp_path / label / str(seed)))
+        os.makedirs(os.path.join(cell.directory, "eval"))
+        with open(os.path.join(cell.directory, "eval", "eval.json"), "w") as f:
+            json.dump({"settings": {"temperature": 0.0, "offload": [4]},
+                       "per_prompt": {label: {"none": {"sb": [prompt(*r) for r in rows]}}}}, f)
+        return cell
+
+    # tree: 8 MiB over 4 tokens per prompt; acc: seed 0 moves half the tree's bytes per token, seed 1 a quarter
+    cells = [write("tree", s, [("a", 4, 8, 5, 2.0), ("b", 4, 8, 5, 2.0)]) for s in (0, 1)]
+    cells += [write("acc", 0, [("a", 4, 4, 8, 1.0), ("b", 4, 4, 8, 1.0)]),
+              write("acc", 1, [("a", 8, 4, 6, 0.5), ("b", 8, 4, 6, 0.5)])]
+    boot = SimpleNamespace(samples=200, seed=0, confidence=0.95)
+    stats = method_statistics(per_prompt_table(cells), ["tree", "acc"], "tree", boot)
+    tree, acc = stats["tree"]["none"]["sb"]["offload"]["4"], stats["acc"]["none"]["sb"]["offload"]["4"]
+    assert tree["h2d_mib_per_token"]["value"] == pytest.approx(2.0)
+    assert acc["h2d_mib_per_token"]["value"] == pytest.approx(16 / 24)  # Σ bytes / Σ tokens, not a mean of ratios
+    assert acc["per_seed_h2d_mib_per_token"] == pytest.approx({"0": 1.0, "1": 0.5})
+    assert acc["hit_rate"] == pytest.approx(28 / 40) and acc["ar_hit_rate"] == pytest.approx(0.9)
+    assert acc["ar_h2d_mib_per_token"] == pytest.approx(8 / 24)
+    assert acc["modeled_speedup"]["value"] == pytest.approx(4 / 3)
+    assert acc["h2d_ratio"]["per_seed"] == pytest.approx({"0": 0.5, "1": 0.25})
+    assert acc["h2d_ratio"]["t"]["value"] == pytest.approx(0.375)
+    assert acc["modeled_ratio"]["per_seed"] == pytest.approx({"0": 2.0, "1": 4.0})
+    assert "h2d_ratio" not in tree  # the reference itself
+    summary = _two_budget_summary(stats, ["tree", "acc"], [0, 1])
+    summary.update(budgets=["none"], reference="tree")
+    summary["settings"]["eval"].update(offload_policy="lru", offload_link="pcie5")
+    md = markdown(summary).split("## Under expert offload")[1]
+    assert "| AR (the reference's tokens) | 4 | 90.0 % | 0.500 | – | 1 | – | – |" in md
+    assert "| tree | 4 | 50.0 % | 2.000 [2.000, 2.000] | 1 (reference) | 0.500 [0.500, 0.500] | 1 (reference) |" in md
+    assert "| acc | 4 | 70.0 % | 0.667 [" in md and "(0.50 / 0.25)" in md and "| 1.000 / 0.500 |" in md
+
+
 # ---- shards writing one record --------------------------------------------------------------------------------------
 
 

@@ -264,3 +264,15 @@ def is_win(bootstrap: dict | Estimate, t: dict | Estimate | None) -> bool:
     with one seed, is no win)."""
     low = lambda e: e.low if isinstance(e, Estimate) else e["low"]  # noqa: E731
     return t is not None and low(bootstrap) > 1.0 and low(t) > 1.0
+
+
+def ratio_record(side: tuple[np.ndarray, np.ndarray], ref: tuple[np.ndarray, np.ndarray], seeds: list,
+                 kw: dict) -> dict:
+    """One ratio as bench.json keeps it: the paired bootstrap estimate, the per-seed ratios, the seed-level t
+    interval over them (None with one seed) and ``win`` (both lower bounds above 1)."""
+    boot = paired_ratio(*side, *ref, **kw)
+    values = per_seed_ratios(*side, *ref)
+    t = t_interval(values, kw.get("confidence", 0.95))
+    labels = [str(s) for s in seeds] if len(seeds) == len(values) else [str(i) for i in range(len(values))]
+    return {**boot.to_dict(), "seeds": seeds, "per_seed": dict(zip(labels, values)),
+            "t": None if t is None else t.to_dict(), "win": is_win(boot, t)}

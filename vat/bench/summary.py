@@ -20,15 +20,9 @@ import numpy as np
 
 from vat.bench.cells import Cell, eval_path, finished, method_eval, recorded
 from vat.bench.record import per_prompt
-from vat.bench.stats import (
-    bootstrap_tau,
-    is_win,
-    paired_ratio,
-    per_seed_ratios,
-    per_seed_tau,
-    pooled_tau,
-    t_interval,
-)
+from vat.bench.offload import add_reference_ratios, collect_offload, finish_offload, offload_lines, offload_statistics
+from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau, pooled_tau, ratio_record
+from vat.bench.text import fmt_estimate, ratio_cell
 from vat.errors import VatError
 from vat.eval.cost import get_accelerator
 from vat.eval.quality import add_counts, empty_counts, summarize_quality
@@ -67,7 +61,7 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
                 for bench, prompts in per_bench.items():
                     entry = rows.setdefault((label, budget, bench), {"seeds": [], "ids": None, "committed": [],
                                                                      "rounds": [], "quality": None, "greedy": True, "hashes": [],
-                                                                     **{k: [] for k in EXTRA_COUNTS}})
+                                                                     "offload": {}, **{k: [] for k in EXTRA_COUNTS}})
                     ids = [p["question_id"] for p in prompts]
                     if entry["ids"] is not None and ids != entry["ids"]:
                         raise VatError(f"{cell.name}: the prompts of {bench} differ from the other seeds' (eval "
@@ -80,6 +74,7 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
                     entry["rounds"].append([p["rounds"] for p in prompts])
                     for key in EXTRA_COUNTS:  # expert bytes, kept tokens, modeled seconds (--cost-model)
                         entry[key].append([p.get(key) for p in prompts])
+                    collect_offload(entry, prompts)  # H2D counts per resident-cache size (eval.offload)
                     if budget != NO_BUDGET and all("quality" in p for p in prompts):
                         # quality under the budget: counts pooled over seeds and prompts (vat.eval.quality)
                         quality = entry["quality"] or {"counts": empty_counts(), "cells": 0}
@@ -95,6 +90,7 @@ def per_prompt_table(cells: list[Cell]) -> dict[tuple[str, str, str], dict]:
             entry["quality"] = None  # a seed's older eval.json has none: no figure rather than one over fewer seeds
         entry["committed"] = np.asarray(entry["committed"], dtype=np.float64)  # (S, P)
         entry["rounds"] = np.asarray(entry["rounds"], dtype=np.float64)  # (S, P)
+        finish_offload(entry)
         for key in EXTRA_COUNTS:  # None where an older eval.json (or a run without a cost model) lacks the count
             values = entry[key]
             entry[key] = (np.asarray(values, dtype=np.float64)
@@ -167,6 +163,8 @@ def method_statistics(rows: dict, labels: list[str], reference: str, boot: Any,
             # modeled speed-up over AR = Σ modeled AR seconds / Σ modeled seconds (vat.eval.cost)
             stats["modeled_speedup"] = bootstrap_tau(entry["modeled_ar_seconds"], entry["modeled_seconds"],
                                                      **kw).to_dict()
+        if entry.get("offload"):  # priced under expert offloading: per resident-cache size C
+            stats["offload"] = offload_statistics(entry, kw)
         ref_budget = _budget_of(rows, reference, budget, bench)
         ref = rows.get((reference, ref_budget, bench))
         if ref is not None and ref["ids"] == entry["ids"]:
@@ -183,6 +181,8 @@ def method_statistics(rows: dict, labels: list[str], reference: str, boot: Any,
                         stats["modeled_ratio"] = {
                             **ratio_record(_side(entry, common, keys), _rows(ref, common, keys), common, kw),
                             "reference_budget": ref_budget}
+                    if "offload" in stats:
+                        add_reference_ratios(stats["offload"], entry, ref, common, kw, ref_budget)
         if entry["seeds"] != [None]:
             stats["versus"] = {}
             for base in versus:
@@ -214,18 +214,6 @@ def lossless_check(entry: dict, ar: dict | None) -> dict | None:
     if not pairs:
         return None
     return {"identical": sum(h == r for h, r in pairs), "compared": len(pairs)}
-
-
-def ratio_record(side: tuple[np.ndarray, np.ndarray], ref: tuple[np.ndarray, np.ndarray], seeds: list,
-                 kw: dict) -> dict:
-    """One ratio as bench.json keeps it: the paired bootstrap estimate, the per-seed ratios, the seed-level t
-    interval over them (None with one seed) and ``win`` (both lower bounds above 1)."""
-    boot = paired_ratio(*side, *ref, **kw)
-    values = per_seed_ratios(*side, *ref)
-    t = t_interval(values, kw.get("confidence", 0.95))
-    labels = [str(s) for s in seeds] if len(seeds) == len(values) else [str(i) for i in range(len(values))]
-    return {**boot.to_dict(), "seeds": seeds, "per_seed": dict(zip(labels, values)),
-            "t": None if t is None else t.to_dict(), "win": is_win(boot, t)}
 
 
 GOAL_BYTES = 0.70  # issue 16's goal: <= 0.70x the reference's natural-routing expert bytes per token ...
@@ -478,32 +466,9 @@ def _bench_order(bench: Any):
 # ---- markdown -----------------------------------------------------------------------------------------------------
 
 
-def _fmt(est: dict | None, digits: int = 3) -> str:
-    if not est or est.get("value") is None:
-        return "–"
-    return f"{est['value']:.{digits}f} [{est['low']:.{digits}f}, {est['high']:.{digits}f}]"
-
-
-FALLBACK_MARK = " †"  # a budgeted row's ratio to a method that was not evaluated at that budget (its natural τ)
-
-
-def _ratio_cell(est: dict | None, budget: str) -> str:
-    """A ratio cell: the bootstrap estimate, the seed-level t interval and the per-seed values where there are
-    several seeds, **win** when both lower bounds exceed 1; marked † when its denominator is at natural routing
-    while the row is under ``budget``."""
-    text = _fmt(est)
-    if est and est.get("t"):
-        text += f" t [{est['t']['low']:.3f}, {est['t']['high']:.3f}]"
-    if est and len(est.get("per_seed") or {}) > 1:
-        text += " (" + " / ".join(f"{v:.2f}" for v in est["per_seed"].values()) + ")"
-    if est and est.get("win"):
-        text += " **win**"
-    return text + (FALLBACK_MARK if est and est.get("reference_budget") not in (None, budget) else "")
-
-
 def _tau_cell(stats: dict) -> str:
     """τ with its interval, and the accepted-per-round figure where acceptances past the cap make it differ."""
-    text = _fmt(stats["tau"])
+    text = fmt_estimate(stats["tau"])
     acc = stats.get("accepted_per_round")
     if acc is not None and abs(acc - stats["tau"]["value"]) >= 5e-4:
         text += f" ({acc:.3f} accepted+1)"
@@ -536,6 +501,7 @@ def markdown(summary: dict) -> str:
         for bench in summary["benchmarks"]:
             lines += _bench_lines(summary, labels, train, budget, bench, conf)
     lines += _front_lines(summary, conf)
+    lines += offload_lines(summary, labels, conf)
     lines += _curve_lines(summary)
     lines += _train_lines(train)
     return "\n".join(lines)
@@ -636,17 +602,17 @@ def _table_row(label: str, stats: dict, train: dict, budget: str, versus: list[s
                modeled: bool) -> str:
     """One method's row of a τ table (``train``: the summary's training record, for the minutes per draft)."""
     ratio = stats["ratio"]
-    shown = "1 (reference)" if ratio and ratio.get("reference") else _ratio_cell(ratio, budget)
+    shown = "1 (reference)" if ratio and ratio.get("reference") else ratio_cell(ratio, budget)
     seeds = str(len(stats["seeds"])) if stats["seeds"] else "–"
     minutes = f"{train[label]['minutes_per_draft']:.2f}" if label in train else "–"
-    against = "".join(f"{_ratio_cell(stats.get('versus', {}).get(b), budget)} | " for b in versus)
+    against = "".join(f"{ratio_cell(stats.get('versus', {}).get(b), budget)} | " for b in versus)
     # a budgeted row always has its quality cells: {} (not measured) when the eval.json had none
     quality = _quality_cells((stats.get("quality") or {}) if budgeted else None)
     cost = ""
     if modeled:
         mratio = ("1 (reference)" if ratio and ratio.get("reference")
-                  else _ratio_cell(stats.get("modeled_ratio"), budget))
-        cost = (f"{_fmt(stats.get('expert_mib_per_token'), 2)} | {_fmt(stats.get('modeled_speedup'))} | "
+                  else ratio_cell(stats.get("modeled_ratio"), budget))
+        cost = (f"{fmt_estimate(stats.get('expert_mib_per_token'), 2)} | {fmt_estimate(stats.get('modeled_speedup'))} | "
                 f"{mratio} | ")
     return f"| {label} | {_tau_cell(stats)} | {quality}{cost}{shown} | {against}{seeds} | {minutes} |"
 
@@ -771,7 +737,7 @@ def _front_table(points: list[dict], results: dict, bench: str, ref: str, conf: 
     routing, the modeled speed-up over AR where a cost model ran, and for lossy points their quality."""
     def speedup(p: dict) -> str:
         stats = results.get(p["label"], {}).get(p["budget"], {}).get(bench) or {}
-        return _fmt(stats.get("modeled_speedup"))
+        return fmt_estimate(stats.get("modeled_speedup"))
 
     modeled = any(speedup(p) != "–" for p in points)
     quality_head = "agreement | stepwise agreement | KL to natural | " if lossy else ""
@@ -781,8 +747,8 @@ def _front_table(points: list[dict], results: dict, bench: str, ref: str, conf: 
     for p in points:
         kl = "–" if p["kl_to_natural"] is None else f"{p['kl_to_natural']:.4f}"
         quality = (f"{_percent(p['agreement'])} | {_percent(p.get('stepwise_agreement'))} | {kl} | " if lossy else "")
-        lines.append(f"| {p['label']} | {p['budget']} | {p['tau']:.3f} | {_fmt(p['tau_ratio'])} | "
-                     f"{p['mib_per_token']:.2f} | {_fmt(p['mib_ratio'])} | "
+        lines.append(f"| {p['label']} | {p['budget']} | {p['tau']:.3f} | {fmt_estimate(p['tau_ratio'])} | "
+                     f"{p['mib_per_token']:.2f} | {fmt_estimate(p['mib_ratio'])} | "
                      + (f"{speedup(p)} | " if modeled else "") + quality
                      + f"{'yes' if p['front'] else ''} | {p['goal_score']:.2f} |")
     return lines
