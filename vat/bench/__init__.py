@@ -2,6 +2,7 @@
 
 Modules, one job each: :mod:`~vat.bench.stats` (pooled τ, bootstrap intervals, paired ratios; pure numpy),
 :mod:`~vat.bench.cells` (the cells and their resumable train / eval stages), :mod:`~vat.bench.summary` (bench.json,
-bench.md) with :mod:`~vat.bench.offload` (its expert-offload section) and :mod:`~vat.bench.text` (cell formats), :mod:`~vat.bench.plots` (PNGs) and :mod:`~vat.bench.run` (the entry point). Kept free of imports so
-``vat --help`` stays fast. See ``docs/bench.md``.
+bench.md) with :mod:`~vat.bench.offload` (its expert-offload section) and :mod:`~vat.bench.text` (cell formats),
+:mod:`~vat.bench.plots` (PNGs), :mod:`~vat.bench.record` (committable records) and :mod:`~vat.bench.run` (the entry
+point). Kept free of imports so ``vat --help`` stays fast. See ``docs/bench.md``.
 """
