@@ -264,6 +264,39 @@ def test_constraint_draws_are_seeded_and_inside_their_ranges(workspace, tmp_path
     assert all(0 <= d.offset < d.window and list(d.B) == [1] for d in constrained)
 
 
+def test_the_document_pool_base_routes_each_whole_row_inside_one_pool(workspace, tmp_path):
+    """``window_pool.windows: null`` (the document-pool base): every constrained draw is one window per packed row from
+    position 0, and under it every token of a row executes inside the same pool, the row's MoE-Spec set (its natural
+    union when it fits in d, else the top-d experts by the row's summed router probability), rows apart; two training
+    steps run and write the whole-row constraint in their metrics."""
+    cfg = _cfg(workspace, tmp_path / "run", "window_pool.windows=null", "window_pool.unconstrained_frac=0.0")
+    specs = [draw_constraint(cfg.window_pool, 0, s) for s in range(20)]
+    assert all(s.window is None and s.offset == 0 and s.scope == "sequence" and 2 <= s.B <= 4 for s in specs)
+    target = load_target(workspace["target"], experts_impl="eager", device="cpu")
+    ids = torch.randint(5, 300, (3, 29))
+    spec = BudgetSpec(B=3, window=specs[0].window, offset=specs[0].offset, scope=specs[0].scope)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    groups, n_groups = window_groups(positions, torch.ones_like(ids, dtype=torch.bool), spec)
+    assert n_groups == 3 and all(set(groups[r].tolist()) == {r} for r in range(3))
+    flat = groups.reshape(-1)
+    with target.routing.forward_context(flat, n_groups, spec, capture=True, record_pools=True) as ctx:
+        target.model(input_ids=ids, position_ids=positions)
+    for ordinal, (logits, allowed) in ctx.pools.items():
+        probs = torch.softmax(logits.float(), dim=-1)  # (3 * 29, E)
+        for r in range(3):
+            rows = torch.arange(r * 29, (r + 1) * 29)
+            union = set(probs[rows].topk(K, dim=-1).indices.reshape(-1).tolist())
+            expected = union if len(union) <= 3 else set(probs[rows].sum(0).topk(3).indices.tolist())
+            assert all(set(allowed[i].nonzero().squeeze(-1).tolist()) == expected for i in rows.tolist())
+            assert set(ctx.captured[ordinal][rows].reshape(-1).tolist()) <= expected
+    target.close()
+    wp_main(_cfg(workspace, tmp_path / "run", "window_pool.windows=null", "window_pool.unconstrained_frac=0.0",
+                 "train.max_steps=2"))
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if '"step"' in line]
+    assert [(r["constrained"], r["window"]) for r in records] == [(True, None), (True, None)]
+
+
 @pytest.mark.parametrize("override, message", [
     ("window_pool.pools=[4,2]", "window_pool.pools"),
     ("window_pool.pools=[2,9]", "cannot exceed"),
@@ -360,4 +393,13 @@ def test_the_seed_summary_judges_each_arm_on_every_constrained_cell():
     assert "unconstrained perplexity +4.0 %" in seeds.verdict(ratios["fat"])
     assert seeds.verdict(ratios["fat"]).startswith("not met")  # better under the constraint, too costly without
     text = seeds.markdown(grid)
-    assert "| W8_d4 | 0.910 [" in text and "0.900 / 0.920 / 0.910" in text
+    assert "| W8_d4 | 200.00 | 0.910 [" in text and "0.900 / 0.920 / 0.910" in text
+    # a second grid of the same text (another call's arms) merges; over the control, paired seed by seed
+    doc = {"results": {"base": cells(100.0, 200.0), "doc_s0": cells(110.0, 150.0), "doc_s1": cells(110.0, 160.0)}}
+    merged = seeds.merge_grids([grid, doc])
+    versus = seeds.seed_ratios(merged, "ctl")
+    assert versus["wp"]["W8_d4"] == pytest.approx({0: 180 / 190, 1: 184 / 210, 2: 182 / 200})
+    assert versus["doc"]["W8_d4"] == pytest.approx({0: 150 / 190, 1: 160 / 210}) and "ctl" not in versus
+    assert "### wp / ctl" in seeds.markdown(merged, "ctl")
+    with pytest.raises(SystemExit, match="measured different text"):
+        seeds.merge_grids([grid, {"results": {"base": cells(100.0, 201.0)}}])

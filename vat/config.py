@@ -166,7 +166,9 @@ class WindowPoolConfig:
     """``kind: window_pool``: continued pretraining of the target's routers so that the tokens of one window share a
     pool of experts (docs/window_pool.md, vat/window_pool). W and d_w are drawn per step, uniformly from [lo, hi]."""
 
-    windows: list[int] = field(default_factory=lambda: [4, 16])  # W range: window length in positions
+    # W range: window length in positions; null = one pool per packed row (the document-pool base: the row stands
+    # in for a document, one pool for all its tokens, no offset)
+    windows: Optional[list[int]] = field(default_factory=lambda: [4, 16])
     pools: list[int] = field(default_factory=lambda: [4, 8])  # d_w range: experts shared by a window (>= top_k)
     layers: Optional[list[int]] = None  # decoder layers constrained; null = every MoE layer
     unconstrained_frac: float = 0.25  # fraction of steps run with natural routing (keeps unconstrained quality)

@@ -22,7 +22,9 @@ from vat.target.budget import BudgetSpec
 def check_ranges(wp: Any, num_experts: int, moe_layer_ids: list[int]) -> None:
     """One clear line for a W / d_w range or a layer list the target cannot take."""
     for key, values, low in (("windows", wp.windows, 1), ("pools", wp.pools, 1)):
-        if len(values) != 2 or int(values[0]) > int(values[1]) or int(values[0]) < low:
+        if values is None and key == "windows":
+            continue  # one pool per row
+        if values is None or len(values) != 2 or int(values[0]) > int(values[1]) or int(values[0]) < low:
             raise VatError(f"config key `window_pool.{key}` must be [lo, hi] with {low} <= lo <= hi, got {list(values)}")
     if int(wp.pools[1]) > num_experts:
         raise VatError(f"config key `window_pool.pools` {list(wp.pools)}: d_w cannot exceed the target's "
@@ -46,15 +48,18 @@ def draw_constraint(wp: Any, seed: int, step: int) -> BudgetSpec | None:
 
     Returns:
         None for an unconstrained step, else a substitute :class:`BudgetSpec` with ``B = d_w`` on the constrained
-        layers (a ``{layer: d_w}`` mapping when ``wp.layers`` is set), ``window = W`` and a random offset in [0, W).
+        layers (a ``{layer: d_w}`` mapping when ``wp.layers`` is set), ``window = W`` and a random offset in [0, W);
+        with ``wp.windows`` null, ``window = None``: every row is one window (the document-pool base).
     """
     rng = random.Random(seed * 1_000_003 + 104_729 + step)
     if rng.random() < float(wp.unconstrained_frac):
         return None
-    window = rng.randint(int(wp.windows[0]), int(wp.windows[1]))
+    whole_row = wp.windows is None
+    window = None if whole_row else rng.randint(int(wp.windows[0]), int(wp.windows[1]))
     pool = rng.randint(int(wp.pools[0]), int(wp.pools[1]))
     budget: Any = pool if wp.layers is None else {int(layer): pool for layer in wp.layers}
-    return BudgetSpec(B=budget, policy=DEFAULT_BUDGET_POLICY, window=window, offset=rng.randrange(window))
+    return BudgetSpec(B=budget, policy=DEFAULT_BUDGET_POLICY, window=window,
+                      offset=0 if whole_row else rng.randrange(window), scope="sequence")
 
 
 def pool_mass(pools: dict[int, tuple[torch.Tensor, torch.Tensor]], member: torch.Tensor,

@@ -132,8 +132,8 @@ class WindowPoolTrainer(TrainLoop):
             n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
             n_all = sum(p.numel() for p in model.parameters())
             print(f"[vat] window_pool: {n_train:,} of {n_all:,} target parameters train ({len(self.trainable)} "
-                  f"tensors: routers{' + LoRA' if wp.lora is not None else ''}); W in {list(wp.windows)}, d_w in "
-                  f"{list(wp.pools)}, unconstrained {wp.unconstrained_frac:.0%} of steps, aux coef {self.aux_coef}")
+                  f"tensors: routers{' + LoRA' if wp.lora is not None else ''}); W in "
+                  f"{'the whole row' if wp.windows is None else list(wp.windows)}, d_w in {list(wp.pools)}, unconstrained {wp.unconstrained_frac:.0%} of steps, aux coef {self.aux_coef}")
             with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(cfg))
 
