@@ -127,6 +127,17 @@ def test_huge_verification_head_gradient_leaves_the_body_update_unchanged(train_
     for a, b in zip(m1, m2):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
         assert b["vh_grad_norm"] > 1e4 * a["vh_grad_norm"] > 0
+    # so VAT with a detached head trains the same body as VAT without a head at all (the bench ablation's
+    # `vat_detach` and `adaptive_hard` arms: the same drafts, bit for bit)
+    out = str(tmp_path / "no_head")
+    train_main(train_config(train_workspace, out, "method=vat", "drafter.verification_head=false", "loss.vh_weight=0",
+                            "train.max_steps=3", "train.save_every=0"))
+    headless = load_file(os.path.join(out, "final", "model.safetensors"))
+    assert set(headless) == set(w1)  # the body; the head is written to its own file
+    assert os.path.exists(os.path.join(str(tmp_path / "beta1.0"), "final", "verification_head.safetensors"))
+    assert not os.path.exists(os.path.join(out, "final", "verification_head.safetensors"))
+    for name in headless:
+        torch.testing.assert_close(headless[name], w1[name], atol=0, rtol=0, msg=name)
 
 
 def test_init_from_a_speculators_draft_continues_with_vat_losses(train_workspace, tmp_path):
