@@ -5,7 +5,8 @@
 #   3. a draft for the Window Pool target: the tiny bench's seed-0 EAGLE-3 draft continued 100 steps with the VAT
 #      losses against it (recipes/tiny/eagle3_import_vat.yaml, the same recipe and data as the bench's vat_more cell,
 #      which is the base target's draft here)
-#   4. speculative decoding under B = none, 8 (E/2), 4 (E/4) for both: tau, expert MiB per token, agreement
+#   4. speculative decoding under B = none, 8 (E/2), 4 (E/4) for both: tau, expert MiB per token, agreement; both
+#      against the base target's natural greedy output (the Window Pool eval runs with --reference-target tiny)
 # Usage: bash scripts/window_pool_e2e.sh [OUT=runs/window_pool] [BENCH=runs/bench-tiny] [LIMIT=20]
 # Needs the tiny bench's eagle3 and vat_more seed-0 cells (vat bench recipes/bench/tiny_import.yaml seeds=[0]).
 set -euo pipefail
@@ -22,5 +23,6 @@ $VAT profile --perplexity-grid --target tiny --compare-target window_pool="$OUT/
   train.init_from="$BENCH/cells/eagle3/seed0/train/final" train.max_steps=100 output_dir="$OUT/draft_wp" resume=auto
 EVAL=(--benchmark spec_bench --benchmark humaneval --limit "$LIMIT" --max-new-tokens 64 --steps 7 --budget none,8,4)
 $VAT eval --draft "$BENCH/cells/vat_more/seed0/train/final" --target tiny "${EVAL[@]}" --output "$OUT/eval_base"
-$VAT eval --draft "$OUT/draft_wp/final" --target "$OUT/wp/final" "${EVAL[@]}" --output "$OUT/eval_wp"
+$VAT eval --draft "$OUT/draft_wp/final" --target "$OUT/wp/final" --reference-target tiny "${EVAL[@]}" \
+  --output "$OUT/eval_wp"
 python scripts/window_pool_tables.py "$OUT/grid/perplexity_grid.json" "$OUT/eval_base/eval.json" "$OUT/eval_wp/eval.json"

@@ -2,8 +2,9 @@
 
 Usage: python scripts/window_pool_tables.py GRID.json BASE_EVAL.json WP_EVAL.json [--draft-base LABEL --draft-wp LABEL]
 The grid's Markdown comes from vat.window_pool.evaluate.markdown; the end-to-end table lists, per benchmark and
-budget, tau, expert MiB per generated token, mean union per layer per round and agreement with the same target's
-unbudgeted greedy output (eval.json `quality`).
+budget, tau, expert MiB per generated token, mean union per layer per round and agreement with the base target's
+unbudgeted greedy output (eval.json `quality`; the Window Pool eval runs with `--reference-target BASE`, so its
+natural-routing row is compared with the base too; an older one, without it, compares with its own output).
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ def e2e_table(base: dict, wp: dict, base_label: str | None = None, wp_label: str
             if b is None:
                 continue
             qa, qb = a.get("quality") or {}, b.get("quality") or {}
-            agree = (f"{qa['agreement']:.1%} | {qb['agreement']:.1%}" if qa.get("agreement") is not None
-                     else "— | —")
+            agree = " | ".join(f"{q['agreement']:.1%}" if q.get("agreement") is not None else "—" for q in (qa, qb))
             rows.append(f"| {bench} | {budget} | {a['tau']:.2f} | {b['tau']:.2f} | "
                         f"{a['expert_bytes_per_token'] / 2**20:.2f} | {b['expert_bytes_per_token'] / 2**20:.2f} | "
                         f"{a['union_per_round']['mean']:.2f} | {b['union_per_round']['mean']:.2f} | {agree} |")

@@ -310,6 +310,16 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
         assert "vat" not in compared["vat"]["none"][bench]["versus"]  # never against itself
     assert "| ratio to ngram [95 % CI] | ratio to vat [95 % CI] |" in (out / "bench.md").read_text()
 
+    # `--methods`: only the named methods' and baselines' cells run (a bench sharded by method); the tables still
+    # cover every finished cell. A name the bench lacks stops at once with the closest one.
+    assert vat_main(["bench", QUICK, f"output_dir={out}", "--methods", "vat,ngram"]) == 0
+    sharded = capsys.readouterr().out
+    assert sharded.count("finished earlier, skipped") == 3 and "[vat bench 3/3] ngram" in sharded
+    assert "eagle3 seed" not in sharded.split("cells ->", 1)[1]
+    assert json.loads((out / "bench.json").read_text())["progress"]["cells_done"] == 6
+    assert vat_main(["bench", QUICK, f"output_dir={out}", "--methods", "vatt"]) == 2
+    assert "did you mean `vat`" in capsys.readouterr().err
+
     # a record of an earlier vat (another fingerprint) counts when the draft's saved config and the evaluations'
     # settings are the ones wanted now; it then takes the current fingerprint. A draft trained otherwise does not.
     from vat.bench.cells import cell_fingerprint, finished

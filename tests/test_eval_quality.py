@@ -221,3 +221,67 @@ def test_reference_cache_stands_in_for_the_extra_ar_pass(quick, spec_bench_file,
     assert "extra AR pass" in again["quality_reference"][bench]["source"]
     with open(file) as f:
         assert {p["question_id"]: p["token_ids"] for p in json.load(f)["prompts"]} == ar
+
+
+def test_quality_against_a_reference_target(quick, spec_bench_file, tmp_path):
+    """`--reference-target`: every pass, natural routing included, is compared with another model's natural greedy
+    output (what a Window Pool target is judged against: its base). Two tiny random targets with one tokenizer: the
+    reference's output is the AR pass of an eval on the reference itself; agreement is recounted from both
+    generations files; KL at natural routing is KL(evaluated ‖ reference) from two plain forwards; the target as
+    its own reference gives agreement 1 and KL 0 at natural routing; another vocabulary stops in one line."""
+    from tiny_models import save_tiny_target
+
+    from vat.errors import VatError
+    from vat.eval.run import run_eval
+    from vat.target import load_target
+
+    base = save_tiny_target(str(tmp_path / "base"), "olmoe", seed=0)
+    other = save_tiny_target(str(tmp_path / "other"), "olmoe", seed=1)
+    kw = dict(benchmarks=[spec_bench_file], limit=2, steps=3, max_new_tokens=10, progress=False, plots=False,
+              dtype="float32", device="cpu")
+    run_eval(target=base, drafts=["none"], output=str(tmp_path / "ar_base"), **kw)
+    cache = str(tmp_path / "natural")
+    ev = run_eval(target=other, drafts=["ngram"], budgets="none,2", reference_target=base, reference_cache=cache,
+                  output=str(tmp_path / "other_vs_base"), **kw)
+    bench = ev["benchmarks"][0]
+    assert ev["settings"]["reference_target"] == base and "reference target" in ev["quality_reference"][bench]["source"]
+
+    def generations(name):
+        with open(tmp_path / name / "generations.jsonl") as f:
+            return {(r["question_id"], r["draft"], r["budget"]): r["token_ids"] for r in map(json.loads, f)}
+
+    reference = {q: t for (q, d, _), t in generations("ar_base").items() if d == "none"}
+    for (qid, draft, budget), turns in generations("other_vs_base").items():
+        matches = compared = 0
+        for out_ids, ref_ids in zip(turns, reference[qid]):
+            matches += sum(a == b for a, b in zip(out_ids, ref_ids))
+            compared += max(len(out_ids), len(ref_ids))
+        (entry,) = [p for p in ev["per_prompt"][draft][budget][bench] if p["question_id"] == qid]
+        assert (entry["quality"]["matches"], entry["quality"]["compared"]) == (matches, compared), (draft, budget)
+    assert ev["results"]["none"]["none"][bench]["quality"]["agreement"] < 1.0  # another model: other answers
+
+    # KL at natural routing on the reference's own text (the cache keeps its prompts): two plain forwards
+    (file,) = os.listdir(cache)
+    with open(os.path.join(cache, file)) as f:
+        stored = json.load(f)["prompts"]
+    models = [load_target(p, dtype="float32", device="cpu", experts_impl="eager").model for p in (other, base)]
+    kl_sum = kl_count = 0.0
+    for prompt in stored:
+        for prompt_ids, response in zip(prompt["prompt_ids"], prompt["token_ids"]):
+            ids = torch.tensor([prompt_ids + response])
+            with torch.no_grad():
+                p, q = (torch.log_softmax(m(ids).logits[0, len(prompt_ids):].double(), -1) for m in models)
+            kl_sum += float((p.exp() * (p - q)).sum())
+            kl_count += len(response)
+    assert ev["results"]["ngram"]["none"][bench]["quality"]["kl_to_natural"] == pytest.approx(kl_sum / kl_count,
+                                                                                               rel=1e-4)
+
+    itself = run_eval(target=other, drafts=["ngram"], budgets="none,2", reference_target=other, **kw)
+    own = run_eval(target=other, drafts=["ngram"], budgets="none,2", **kw)
+    natural = itself["results"]["ngram"]["none"][bench]["quality"]
+    assert natural["agreement"] == 1.0 and natural["kl_to_natural"] == 0.0 and natural["stepwise_agreement"] == 1.0
+    for key in ("agreement", "first_divergence", "stepwise_agreement", "kl_to_natural"):
+        got, want = (r["results"]["ngram"]["2"][bench]["quality"][key] for r in (itself, own))
+        assert got == pytest.approx(want, rel=1e-9), key
+    with pytest.raises(VatError, match="vocabulary"):
+        run_eval(target=other, drafts=["ngram"], reference_target=quick[0], **kw)

@@ -316,6 +316,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="prompts per benchmark")
     p.add_argument("--reference-cache", help="directory that keeps the natural greedy decode of each benchmark "
                    "between evals: budgeted runs read it instead of an extra AR pass (greedy only)")
+    p.add_argument("--reference-target", help="quality figures (agreement, stepwise agreement, KL) against this "
+                   "target's natural greedy output and distribution, for every pass, natural routing included (e.g. "
+                   "the base a Window Pool target was trained from); same tokenizer; default: the target's own")
     p.add_argument("--batch-size", type=int, help="only 1 (prompts are decoded one at a time)")
     p.add_argument("--seed", type=int, help="seeds every sampled prompt / turn")
     p.add_argument("--output", required=True, help="output directory")
@@ -338,6 +341,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides key.sub=value")
     p.add_argument("--render", action="store_true", help="run nothing: rebuild bench.json, bench.md and the PNGs "
                    "from the cells already finished (e.g. a committed bench under the current statistics)")
+    p.add_argument("--methods", default=None, metavar="A,B", help="run only these methods' (and baselines') cells, "
+                   "e.g. to shard a bench by method; the tables still cover every finished cell")
     p.add_argument("--record", default=None, metavar="DIR", help="run nothing: write the bench's record to DIR "
                    "(summary, and per cell its record and per-prompt counts; no drafts or checkpoints), small "
                    "enough to commit; `vat bench DIR/bench_config.yaml output_dir=DIR --render` renders it again")

@@ -31,6 +31,7 @@ from vat.bench.config import load_bench_config
 from vat.bench.plots import write_plots
 from vat.bench.record import write_record
 from vat.bench.summary import build_summary, write_summary
+from vat.config import closest_hint
 from vat.errors import VatError
 from vat.export.checkpoint import read_draft_config, write_text_atomic
 from vat.paths import TINY_TARGET_NAMES, tiny_target_dir
@@ -108,7 +109,8 @@ def write_outputs(bench: Any, cells: list[Cell], fingerprints: list[str], target
     return write_summary(summary, out) + write_plots(summary, out)
 
 
-def run_bench(bench: Any, progress: bool | None = None, render_only: bool = False) -> dict:
+def run_bench(bench: Any, progress: bool | None = None, render_only: bool = False,
+              only: list[str] | None = None) -> dict:
     """Run every cell not finished yet, rebuilding the outputs after each; returns the bench.json dict.
 
     Args:
@@ -116,6 +118,8 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
         progress: show the trainer's and the engine's progress bars (default: when stderr is a terminal).
         render_only: run nothing; rebuild bench.json, bench.md and the PNGs from the cells already finished (a bench
             record re-read under the current statistics).
+        only: run only the cells of these methods and baselines (a bench sharded by method); the outputs still cover
+            every finished cell.
     """
     progress = sys.stderr.isatty() if progress is None else progress
     cells_dir = os.path.abspath(bench.output_dir)
@@ -124,6 +128,7 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
     if not render_only:
         write_text_atomic(os.path.join(out, "bench_config.yaml"), OmegaConf.to_yaml(bench))
     cells = plan_cells(bench, cells_dir)
+    selected = select_cells(cells, only)  # before the target is built: a bad name stops at once
     for warning in check_same_training(cells):
         print(f"[vat bench] warning: {warning}", flush=True)
     trained = [c for c in cells if c.has_training]
@@ -140,13 +145,14 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
               f"{', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
         with open(os.path.join(out, "bench.json")) as f:
             return json.load(f)
-    eta = Eta(cells)
-    for i, cell in enumerate(cells, 1):
-        head = f"[vat bench {i}/{len(cells)}] {cell.name}"
+    eta = Eta([cells[i] for i in selected])
+    for n, i in enumerate(selected, 1):
+        cell = cells[i]
+        head = f"[vat bench {n}/{len(selected)}] {cell.name}"
         own_target = cell.target_dir(target)
         # a draft or commitment file an earlier cell of this bench makes exists only now: hash it now
-        fingerprints[i - 1] = cell_fingerprint(bench, cell, own_target)
-        fingerprint = fingerprints[i - 1]
+        fingerprints[i] = cell_fingerprint(bench, cell, own_target)
+        fingerprint = fingerprints[i]
         if finished(cell, fingerprint, bench, own_target) is not None:
             eta.done(cell, None)
             print(f"{head}: finished earlier, skipped | {eta.text()}", flush=True)
@@ -161,6 +167,18 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
     print(f"[vat bench] done: {', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)
+
+
+def select_cells(cells: list[Cell], only: list[str] | None) -> list[int]:
+    """The indices of the cells to run: all, or those whose method or baseline label is in ``only`` (each name must
+    label a cell of the bench)."""
+    if not only:
+        return list(range(len(cells)))
+    labels = list(dict.fromkeys(c.method for c in cells))
+    for name in only:
+        if name not in labels:
+            raise VatError(f"--methods: `{name}` is no method or baseline of this bench{closest_hint(name, labels)}")
+    return [i for i, c in enumerate(cells) if c.method in only]
 
 
 def _bench_target(cells: list[Cell], build: bool = True) -> str:
@@ -216,7 +234,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"[vat bench] record of {written['cells']} cells: {written['files']} files, "
               f"{written['bytes'] / 1e6:.2f} MB in {args.record}", flush=True)
         return 0
-    run_bench(bench, render_only=args.render)
+    only = [m.strip() for m in args.methods.split(",") if m.strip()] if getattr(args, "methods", None) else None
+    run_bench(bench, render_only=args.render, only=only)
     return 0
 
 

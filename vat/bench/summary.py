@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from vat.bench.cells import Cell, eval_path, finished, method_eval, recorded
-from vat.bench.record import per_prompt
 from vat.bench.offload import add_reference_ratios, collect_offload, finish_offload, offload_lines, offload_statistics
+from vat.bench.record import per_prompt
 from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau, pooled_tau, ratio_record
 from vat.bench.text import fmt_estimate, ratio_cell
 from vat.errors import VatError

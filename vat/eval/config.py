@@ -64,6 +64,8 @@ class EvalConfig:
     experts_impl: Optional[str] = None  # grouped_mm | eager | batched_mm | triton; None = grouped_mm for a path
     device_map: Optional[str] = None  # e.g. auto: shard the target across the node's GPUs (overrides device)
     reference_cache: Optional[str] = None  # keeps the natural greedy decode of every benchmark between evaluations
+    reference_target: Optional[str] = None  # quality against this target's natural output (e.g. a Window Pool
+    #   target's base); None = the evaluated target's own. Same tokenizer. Every pass gets quality figures then.
 
 
 EVAL_DEFAULTS = EvalConfig()

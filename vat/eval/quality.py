@@ -16,6 +16,9 @@ same prompt:
   prompt prefilled unbudgeted and the response tiled into windows of the draft's verification block from its first
   position, as served; mean over the response positions (Σ KL / Σ positions).
 
+With ``--reference-target`` the natural output and distribution are another model's (a Window Pool target's base):
+every figure is taken against it and every pass, natural routing included, gets one (``run.py``).
+
 Agreement and first divergence compare greedy outputs: at temperature > 0 the budgeted output is sampled and they are
 None; the KL needs no sampling and is always given. Every figure is a ratio of global sums, so pooling is exact.
 """
@@ -131,7 +134,7 @@ def stepwise_agreement(target, prompt_ids: Sequence[int], output_ids: Sequence[i
 
 @torch.no_grad()
 def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int],
-                specs: Mapping[Hashable, BudgetSpec]) -> dict[Hashable, tuple[float, int]]:
+                specs: Mapping[Hashable, BudgetSpec], natural_target=None) -> dict[Hashable, tuple[float, int]]:
     """KL(budgeted ‖ natural) of the next-token distribution over the response positions of the target's own text.
 
     One natural forward over ``prompt + response`` and one budgeted forward per spec: positions before the response
@@ -144,7 +147,10 @@ def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int],
         response_ids: the natural greedy output of that turn.
         specs: ``{key: BudgetSpec}``: B, policy, window and whatever the eval policies set on the spec (the same
             ``budget_spec`` hooks the verification forwards get, e.g. AcceptMoE's commitment, whose depths are each
-            window's positions from its first, as a chain's); the windows' offset and start are set here.
+            window's positions from its first, as a chain's); the windows' offset and start are set here. A spec
+            with ``B=None`` is the target at natural routing (against another ``natural_target``).
+        natural_target: the model of the natural distribution (default ``target``): e.g. the base a Window Pool
+            target was trained from, whose text ``response_ids`` then is.
 
     Returns:
         ``{key: (Σ KL over response positions, number of positions)}`` for every key of ``specs``.
@@ -154,10 +160,11 @@ def response_kl(target, prompt_ids: Sequence[int], response_ids: Sequence[int],
     if n == 0 or not specs:
         return {key: (0.0, 0) for key in specs}
     input_ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=target.device)  # (1, P + n)
-    natural = target.forward(input_ids, output_aux=False, capture_routing=False).logits[0, start:]  # (n, V)
+    natural_model = target if natural_target is None else natural_target
+    natural = natural_model.forward(input_ids, output_aux=False, capture_routing=False).logits[0, start:]  # (n, V)
     out = {}
     for key, spec in specs.items():
-        placed = replace(spec, offset=start, start_position=start)
+        placed = None if spec.B is None else replace(spec, offset=start, start_position=start)
         budgeted = target.forward(input_ids, budget=placed, output_aux=False, capture_routing=False).logits[0, start:]
         out[key] = (float(kl_divergence(budgeted, natural).double().sum()), n)  # (n,) summed
     return out

@@ -353,6 +353,7 @@ class _Run:
     seed: int
     progress: bool
     reference_cache: str | None
+    reference_target: Any = None  # the model the quality figures compare with (None: the evaluated target)
 
 
 @dataclass
@@ -403,7 +404,21 @@ def _set_up(target, drafts, settings: CheckedEval, *, tokenizer, autoregressive:
         configs=configs, block=block, max_positions=getattr(target_obj.config, "max_position_embeddings", None),
         bytes_per_layer=target_obj.expert_bytes_per_layer(), cost=cost, policies=settings.policies,
         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, progress=progress, reference_cache=cfg.reference_cache,
+        reference_target=_load_reference_target(cfg, target_obj),
     )
+
+
+def _load_reference_target(cfg: EvalConfig, target: FrozenTarget) -> FrozenTarget | None:
+    """``--reference-target``: the model whose natural greedy output and distribution the quality figures compare
+    with, loaded like the target (same dtype and device); it must share the target's vocabulary."""
+    if cfg.reference_target is None:
+        return None
+    reference = load_target(cfg.reference_target, dtype=cfg.dtype, device=cfg.device,
+                            experts_impl=cfg.experts_impl or "grouped_mm")
+    if reference.config.vocab_size != target.config.vocab_size:
+        raise VatError(f"--reference-target {cfg.reference_target}: vocabulary of {reference.config.vocab_size} tokens, "
+                       f"the target's has {target.config.vocab_size}; the quality reference must share its tokenizer")
+    return reference
 
 
 def _benchmark_prompts(run: _Run, spec: str, limit: int | None, out: _Collected) -> tuple[str, list]:
@@ -436,19 +451,26 @@ def _evaluate_benchmark(run: _Run, spec: str, limit: int | None, gen_file, out: 
     first = bench_runs[0][0]  # the first configuration's answer to the first prompt: what was predicted
     out.examples[name] = {"question": prompts[0].turns[0], "answer": decode(run.tok, first.turns[0].token_ids),
                           "draft": run.configs[0].draft.label, "budget": run.configs[0].budget_label}
+    other = run.reference_target  # quality against another model's natural output: every pass is compared
+    natural = run.target if other is None else other
     cache = None
     if run.reference_cache is not None and s.temperature == 0:
-        cache = (run.reference_cache, *reference_key(run.target, run.tok, name, prompts,
+        cache = (run.reference_cache, *reference_key(natural, run.tok, name, prompts,
                                                      max_new_tokens=run.max_new_tokens, eos=run.eos))
-    if any(c.budget is not None for c in run.configs):
+    if other is not None or any(c.budget is not None for c in run.configs):
+        own = other is None  # the evaluated target's own lossless runs are its natural output; another's are not
         reference, source, ref_seconds = _natural_reference(
-            run.target, run.configs, bench_runs, run.tok, prompts, temperature=s.temperature, seed=run.seed,
-            policy=s.policy, max_new_tokens=run.max_new_tokens, eos=run.eos, steps=s.steps, progress=run.progress,
-            cache=cache)
-        out.quality_reference[name] = {"source": source, "seconds": ref_seconds}
+            natural, run.configs if own else [], bench_runs if own else {}, run.tok, prompts,
+            temperature=s.temperature, seed=run.seed, policy=s.policy, max_new_tokens=run.max_new_tokens,
+            eos=run.eos, steps=s.steps, progress=run.progress, cache=cache)
+        if not own:
+            source = f"{source} of the reference target {other.path}"
+        out.quality_reference[name] = {"source": source, "seconds": ref_seconds,
+                                       "target": natural.path}
         _add_quality(run.target, run.configs, bench_runs, reference, name, out.results, out.per_prompt,
                      out.pooled_quality, steps=s.steps, tree_spec=s.tree, policy=s.policy,
-                     greedy=s.temperature == 0, source=source, progress=run.progress, policies=run.policies)
+                     greedy=s.temperature == 0, source=source, progress=run.progress, policies=run.policies,
+                     natural_target=other)
     elif cache is not None and (lossless := _lossless_run(run.configs, bench_runs)) is not None:
         save_reference(*cache, lossless[0])  # for a later budgeted run of the same prompts
 
@@ -514,6 +536,7 @@ def _settings_record(run: _Run) -> dict:
         "seed": cfg.seed, "tree_policy": cfg.tree_policy, **settings_record(cfg, s.policies),
         "cost_model": None if cfg.cost_model is None else run.cost.accelerator.name,
         "served_dtype": cfg.served_dtype if cfg.cost_model is not None else None,
+        "reference_target": cfg.reference_target,
         "offload": None if s.offload is None else list(s.offload.capacities),
         "offload_policy": None if s.offload is None else s.offload.policy,
         "offload_link": None if s.offload is None else s.offload.link,
@@ -601,16 +624,21 @@ def _natural_reference(target, configs: list[RunConfig], bench_runs: dict[int, l
 def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[PromptRun]],
                  reference: list[PromptRun], bench: str, results: dict, per_prompt: dict, pooled_quality: dict, *,
                  steps: int, tree_spec: TreeSpec | None, policy: str, greedy: bool, source: str,
-                 progress: bool, policies: list[EvalPolicy] = ()) -> None:
+                 progress: bool, policies: list[EvalPolicy] = (), natural_target=None) -> None:
     """Quality figures of every budgeted config on one benchmark (:mod:`vat.eval.quality`): ``quality`` in its
-    metrics and in each ``per_prompt`` entry (the counts, summed over turns), pooled counts in ``pooled_quality``."""
-    budgeted = [(i, c) for i, c in enumerate(configs) if c.budget is not None and i in bench_runs]
+    metrics and in each ``per_prompt`` entry (the counts, summed over turns), pooled counts in ``pooled_quality``.
+    With a ``natural_target`` (the reference is its output) every config, natural routing included, is compared
+    with it: agreement, stepwise agreement and KL all against that model."""
+    judge = target if natural_target is None else natural_target  # whose greedy choices stepwise agreement counts
+    budgeted = [(i, c) for i, c in enumerate(configs)
+                if (c.budget is not None or natural_target is not None) and i in bench_runs]
     window = {i: 1 + _drafted_per_round(c.draft, steps, tree_spec) for i, c in budgeted}  # the verification block
     specs = {_kl_key(c, window[i], policies): _kl_spec(c, window[i], policy, policies) for i, c in budgeted}
     # KL on the target's own text: one natural + one budgeted forward per distinct spec, per prompt turn
     kl: list[list[dict]] = []
     for ref in tqdm(reference, desc=f"{bench} | KL to natural", disable=not progress, leave=False):
-        kl.append([response_kl(target, p, g.token_ids, specs) for p, g in zip(ref.prompt_ids, ref.turns)])
+        kl.append([response_kl(target, p, g.token_ids, specs, natural_target=natural_target)
+                   for p, g in zip(ref.prompt_ids, ref.turns)])
     for i, config in budgeted:
         key = _kl_key(config, window[i], policies)
         total = empty_counts()
@@ -622,7 +650,7 @@ def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[Pr
                     break
                 agree = sequence_agreement(gen.token_ids, ref.turns[turn].token_ids)
                 if greedy:  # one natural forward over the budgeted turn
-                    agree.update(stepwise_agreement(target, run.prompt_ids[turn], gen.token_ids))
+                    agree.update(stepwise_agreement(judge, run.prompt_ids[turn], gen.token_ids))
                 kl_sum, kl_count = ref_kl[turn][key]
                 add_counts(counts, {**agree, "turns": 1, "kl_sum": kl_sum, "kl_count": kl_count})
             entry["quality"] = counts
