@@ -314,7 +314,7 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
     # cover every finished cell. A name the bench lacks stops at once with the closest one.
     assert vat_main(["bench", QUICK, f"output_dir={out}", "--methods", "vat,ngram"]) == 0
     sharded = capsys.readouterr().out
-    assert sharded.count("finished earlier, skipped") == 3 and "[vat bench 3/3] ngram" in sharded
+    assert sharded.count("finished earlier, skipped") == 3 and "[vat bench 2/3] ngram: finished earlier" in sharded
     assert "eagle3 seed" not in sharded.split("cells ->", 1)[1]
     assert json.loads((out / "bench.json").read_text())["progress"]["cells_done"] == 6
     assert vat_main(["bench", QUICK, f"output_dir={out}", "--methods", "vatt"]) == 2
