@@ -5,7 +5,7 @@ interval and the per-seed values, the base's absolute perplexity beside it, and 
 Usage: python scripts/window_pool_seeds.py GRID.json [GRID2.json ...] [--versus ARM] [--output TABLE.md]
 Targets are labelled ARM_sSEED (the arms script's labels); `base` is the reference. Several grids (e.g. the three
 arms' and the document-pool arms' from a second call) merge when they measured the same text (equal base
-perplexities). ``--versus ARM`` adds every other arm's perplexity over ARM's, paired seed by seed (e.g. the control,
+perplexities); a target in two grids counts once when its figures agree there. ``--versus ARM`` adds every other arm's perplexity over ARM's, paired seed by seed (e.g. the control,
 or the document-pool base). Goal: better than the base in every constrained cell (the t interval's upper bound below
 1) with the unconstrained perplexity at most +2 %.
 """
@@ -23,20 +23,27 @@ LABEL = re.compile(r"^(?P<arm>.+)_s(?P<seed>\d+)$")
 UNCONSTRAINED_LIMIT = 1.02  # the goal's allowance on the natural (unconstrained) perplexity
 
 
+def _same_cells(a: dict, b: dict) -> bool:
+    """Two grids' entries of one target agree: the same cells with perplexities equal to 1e-6 relative."""
+    return set(a) == set(b) and all(abs(b[c]["ppl"] / a[c]["ppl"] - 1) <= 1e-6 for c in a)
+
+
 def merge_grids(grids: list[dict]) -> dict:
     """One grid from several that measured the same text: their targets side by side (a label twice is refused)."""
     merged = {**grids[0], "results": dict(grids[0]["results"])}
     base = grids[0]["results"]["base"]
     for grid in grids[1:]:
         other = grid["results"]["base"]
-        if set(other) != set(base) or any(abs(other[c]["ppl"] / base[c]["ppl"] - 1) > 1e-6 for c in base):
+        if not _same_cells(base, other):
             raise SystemExit("window_pool_seeds: the grids measured different text or cells (their base perplexities "
                              "differ); run them with the same --limit, --windows, --pools and --budgets")
         for label, cells in grid["results"].items():
             if label == "base":
                 continue
             if label in merged["results"]:
-                raise SystemExit(f"window_pool_seeds: target {label} is in two grids")
+                if _same_cells(merged["results"][label], cells):
+                    continue  # the same target measured again (e.g. a rebuilt machine reproducing a control)
+                raise SystemExit(f"window_pool_seeds: target {label} is in two grids with different perplexities")
             merged["results"][label] = cells
     return merged
 

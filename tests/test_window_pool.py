@@ -403,3 +403,8 @@ def test_the_seed_summary_judges_each_arm_on_every_constrained_cell():
     assert "### wp / ctl" in seeds.markdown(merged, "ctl")
     with pytest.raises(SystemExit, match="measured different text"):
         seeds.merge_grids([grid, {"results": {"base": cells(100.0, 201.0)}}])
+    # a target measured again in the second grid counts once when its figures agree, and stops the merge when not
+    again = {"results": {**doc["results"], "ctl_s0": cells(100.0, 190.0)}}
+    assert seeds.merge_grids([grid, again])["results"]["ctl_s0"] == cells(100.0, 190.0)
+    with pytest.raises(SystemExit, match="ctl_s0 is in two grids with different"):
+        seeds.merge_grids([grid, {"results": {**doc["results"], "ctl_s0": cells(100.0, 191.0)}}])
