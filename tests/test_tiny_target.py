@@ -325,6 +325,11 @@ def test_bench_smoke_build_has_olmoes_routing_shape_and_code(tmp_path):
     assert report["size"] == "bench" and report["smoke"] and report["steps"] == 3
     assert report["data"]["code"]["train_chats"] > 0 and report["data"]["code"]["python"]
     assert report["heldout_code_ppl"] > 1 and report["heldout_ppl"] > 1
+    # what decides the floating-point order besides seed and versions: the build ran at 2 threads, whatever the caller
+    import torch
+
+    assert report["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert report["machine"]["threads"] == 2 and report["machine"]["processor"]
     assert not (tmp_path / "bench-smoke.partial").exists() and not (out / STATE_FILE).exists()
 
 

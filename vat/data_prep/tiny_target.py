@@ -516,10 +516,31 @@ def _build_into(work_dir: str, size: str, seed: int, spec: TinyTargetSpec) -> di
         "samples": samples,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
+        "machine": build_machine(),
     }
     with open(os.path.join(work_dir, REPORT_FILE), "w") as f:  # written last: marks the build complete
         json.dump(report, f, indent=2)
     return report
+
+
+def build_machine() -> dict:
+    """What decides a build's floating-point order besides the seed and the versions: torch's CPU kernel dispatch
+    level (``torch.backends.cpu.get_cpu_capability()``: e.g. AVX2, AVX512), the processor and its family/model, and
+    the threads. Two builds that differ here may differ in their weights (docs/tiny_target.md)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in info:
+                    info[key] = value.strip()
+    except OSError:
+        pass
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "processor": info.get("model name") or platform.processor() or platform.machine(),
+            "family_model": f"{info['cpu family']}/{info['model']}" if "cpu family" in info and "model" in info else None,
+            "threads": torch.get_num_threads()}
 
 
 def _partial_dir(output_dir: str, size: str, seed: int, spec: TinyTargetSpec, force: bool) -> str:
