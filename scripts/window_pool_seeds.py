@@ -5,8 +5,8 @@ interval and the per-seed values, the base's absolute perplexity beside it, and 
 Usage: python scripts/window_pool_seeds.py GRID.json [GRID2.json ...] [--versus ARM] [--output TABLE.md]
 Targets are labelled ARM_sSEED (the arms script's labels); `base` is the reference. Several grids (e.g. the three
 arms' and the document-pool arms' from a second call) merge when they measured the same text (equal base
-perplexities); a target in two grids counts once when its figures agree there. ``--versus ARM`` adds every other arm's perplexity over ARM's, paired seed by seed (e.g. the control,
-or the document-pool base). Goal: better than the base in every constrained cell (the t interval's upper bound below
+perplexities); a target in two grids counts once when its figures agree there. ``--versus ARM`` adds every other
+arm's perplexity over ARM's, paired seed by seed (e.g. the control, or the document-pool base). Goal: better than the base in every constrained cell (the t interval's upper bound below
 1) with the unconstrained perplexity at most +2 %.
 """
 

@@ -435,7 +435,8 @@ def _benchmark_prompts(run: _Run, spec: str, limit: int | None, out: _Collected)
 
 
 def _evaluate_benchmark(run: _Run, spec: str, limit: int | None, gen_file, out: _Collected) -> None:
-    """Every pass (draft x budget) over one benchmark's prompts, then the quality of the budgeted passes."""
+    """Every pass (draft x budget) over one benchmark's prompts, then the quality of the budgeted passes (of every
+    pass, with a reference target)."""
     s = run.settings
     name, prompts = _benchmark_prompts(run, spec, limit, out)
     if not prompts:
@@ -630,16 +631,16 @@ def _add_quality(target, configs: list[RunConfig], bench_runs: dict[int, list[Pr
     With a ``natural_target`` (the reference is its output) every config, natural routing included, is compared
     with it: agreement, stepwise agreement and KL all against that model."""
     judge = target if natural_target is None else natural_target  # whose greedy choices stepwise agreement counts
-    budgeted = [(i, c) for i, c in enumerate(configs)
+    compared = [(i, c) for i, c in enumerate(configs)
                 if (c.budget is not None or natural_target is not None) and i in bench_runs]
-    window = {i: 1 + _drafted_per_round(c.draft, steps, tree_spec) for i, c in budgeted}  # the verification block
-    specs = {_kl_key(c, window[i], policies): _kl_spec(c, window[i], policy, policies) for i, c in budgeted}
-    # KL on the target's own text: one natural + one budgeted forward per distinct spec, per prompt turn
+    window = {i: 1 + _drafted_per_round(c.draft, steps, tree_spec) for i, c in compared}  # the verification block
+    specs = {_kl_key(c, window[i], policies): _kl_spec(c, window[i], policy, policies) for i, c in compared}
+    # KL on the reference text (the natural output): one natural + one target forward per distinct spec, per turn
     kl: list[list[dict]] = []
     for ref in tqdm(reference, desc=f"{bench} | KL to natural", disable=not progress, leave=False):
         kl.append([response_kl(target, p, g.token_ids, specs, natural_target=natural_target)
                    for p, g in zip(ref.prompt_ids, ref.turns)])
-    for i, config in budgeted:
+    for i, config in compared:
         key = _kl_key(config, window[i], policies)
         total = empty_counts()
         entries = per_prompt[config.draft.label][config.budget_label][bench]
