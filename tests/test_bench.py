@@ -252,8 +252,18 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
     train_main(killed.train_cfg)
     assert not (out / "cells" / "eagle3" / "seed0" / "train" / "final").exists()
 
+    # `--train-only`: the drafts train (the killed one resumes) and nothing is evaluated; the full run reuses them
+    assert vat_main(["bench", QUICK, f"output_dir={out}", "--train-only", "--methods", "eagle3"]) == 0
+    assert capsys.readouterr().out.count("not evaluated (--train-only)") == 2
+    for seed in (0, 1):
+        cell = out / "cells" / "eagle3" / f"seed{seed}"
+        assert (cell / "train" / "final" / "config.yaml").exists()
+        assert not (cell / "cell.json").exists() and not (cell / "eval").exists()
+    assert not (out / "cells" / "ngram").exists() and not (out / "cells" / "vat").exists()
+
     assert vat_main(["bench", QUICK, f"output_dir={out}"]) == 0
     first = capsys.readouterr().out
+    assert first.count("reused draft") == 2  # the eagle3 drafts, trained above
     summary = json.loads((out / "bench.json").read_text())
     assert summary["progress"] == {"cells_done": 6, "cells_total": 6, "complete": True}
     assert summary["benchmarks"] == ["spec_bench", "humaneval"]

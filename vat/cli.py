@@ -343,6 +343,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    "from the cells already finished (e.g. a committed bench under the current statistics)")
     p.add_argument("--methods", default=None, metavar="A,B", help="run only these methods' (and baselines') cells, "
                    "e.g. to shard a bench by method; the tables still cover every finished cell")
+    p.add_argument("--train-only", action="store_true", help="train (or resume) the drafts and evaluate nothing, "
+                   "e.g. to train on GPUs and evaluate elsewhere; a later run without it reuses them and evaluates")
     p.add_argument("--record", default=None, metavar="DIR", help="run nothing: write the bench's record to DIR "
                    "(summary, and per cell its record and per-prompt counts; no drafts or checkpoints), small "
                    "enough to commit; `vat bench DIR/bench_config.yaml output_dir=DIR --render` renders it again")

@@ -26,6 +26,7 @@ from vat.bench.cells import (
     report_dir,
     resolve_recipe,
     run_cell,
+    train_stage,
 )
 from vat.bench.config import load_bench_config
 from vat.bench.plots import write_plots
@@ -110,7 +111,7 @@ def write_outputs(bench: Any, cells: list[Cell], fingerprints: list[str], target
 
 
 def run_bench(bench: Any, progress: bool | None = None, render_only: bool = False,
-              only: list[str] | None = None) -> dict:
+              only: list[str] | None = None, train_only: bool = False) -> dict:
     """Run every cell not finished yet, rebuilding the outputs after each; returns the bench.json dict.
 
     Args:
@@ -120,6 +121,8 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
             record re-read under the current statistics).
         only: run only the cells of these methods and baselines (a bench sharded by method); the outputs still cover
             every finished cell.
+        train_only: train (or resume) the drafts of the selected cells and evaluate nothing; a later run without it
+            reuses them (the same resolved training config) and evaluates. Baselines and draft cells are skipped.
     """
     progress = sys.stderr.isatty() if progress is None else progress
     cells_dir = os.path.abspath(bench.output_dir)
@@ -145,6 +148,9 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
               f"{', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
         with open(os.path.join(out, "bench.json")) as f:
             return json.load(f)
+    if train_only:
+        _train_only([cells[i] for i in selected if cells[i].has_training])
+        return {}
     eta = Eta([cells[i] for i in selected])
     for n, i in enumerate(selected, 1):
         cell = cells[i]
@@ -167,6 +173,16 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
     print(f"[vat bench] done: {', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)
+
+
+def _train_only(cells: list[Cell]) -> None:
+    """Train each cell's draft (reused when final, resumed when killed) without evaluating it."""
+    for n, cell in enumerate(cells, 1):
+        train = train_stage(cell.train_cfg)
+        verb = "reused draft" if train["reused"] else f"trained {train['steps']} steps"
+        print(f"[vat bench {n}/{len(cells)}] {cell.name}: {verb} ({_duration(train['seconds'])}), not evaluated "
+              f"(--train-only) -> {train['final']}", flush=True)
+    print(f"[vat bench] trained {len(cells)} drafts; rerun without --train-only to evaluate them", flush=True)
 
 
 def select_cells(cells: list[Cell], only: list[str] | None) -> list[int]:
@@ -235,7 +251,9 @@ def main(args: argparse.Namespace) -> int:
               f"{written['bytes'] / 1e6:.2f} MB in {args.record}", flush=True)
         return 0
     only = [m.strip() for m in args.methods.split(",") if m.strip()] if getattr(args, "methods", None) else None
-    run_bench(bench, render_only=args.render, only=only)
+    if args.render and getattr(args, "train_only", False):
+        raise VatError("--render runs nothing and --train-only trains: pass one of them")
+    run_bench(bench, render_only=args.render, only=only, train_only=getattr(args, "train_only", False))
     return 0
 
 
