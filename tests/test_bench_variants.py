@@ -105,12 +105,8 @@ def test_existing_drafts_under_eval_variants_resume_and_are_keyed_by_overrides(t
     assert out.count("finished earlier, skipped") == 2 and "tree_evict seed 0: τ" in out
 
 
-def test_a_draft_made_by_an_earlier_cell_is_hashed_when_its_cell_runs(tmp_path, capsys, monkeypatch, one_thread):
-    # tiny_budget / tiny_union evaluate a draft that an earlier cell of the same bench trains: hashed at the start
-    # (missing), the cell's record kept a fingerprint a rerun never matched, so every rerun evaluated it again
-    import vat.bench.run as bench_run
-
-    late_root = str(tmp_path / "bench" / "made")  # _save_draft writes late_root/seed0/final
+def _late_draft_bench(tmp_path) -> tuple[str, str]:
+    """A bench whose second method evaluates a draft that appears only while the bench runs; (config, draft root)."""
     config = tmp_path / "late.yaml"
     config.write_text(f"""
 name: late
@@ -126,6 +122,15 @@ reference: first
 eval: {{benchmarks: [spec_bench], limit: 1, max_new_tokens: 4, steps: 2}}
 bootstrap: {{samples: 50}}
 """)
+    return str(config), str(tmp_path / "bench" / "made")  # _save_draft writes <root>/seed0/final
+
+
+def test_a_draft_made_by_an_earlier_cell_is_hashed_when_its_cell_runs(tmp_path, capsys, monkeypatch, one_thread):
+    # tiny_budget / tiny_union evaluate a draft that an earlier cell of the same bench trains: hashed at the start
+    # (missing), the cell's record kept a fingerprint a rerun never matched, so every rerun evaluated it again
+    import vat.bench.run as bench_run
+
+    config, late_root = _late_draft_bench(tmp_path)
     real_run_cell = bench_run.run_cell
 
     def run_cell_then_make_the_draft(bench, cell, *args, **kwargs):
@@ -135,10 +140,31 @@ bootstrap: {{samples: 50}}
         return record
 
     monkeypatch.setattr(bench_run, "run_cell", run_cell_then_make_the_draft)
-    assert bench_run.run_bench(load_bench_config(str(config)), progress=False)["progress"]["complete"]
+    assert bench_run.run_bench(load_bench_config(config), progress=False)["progress"]["complete"]
     capsys.readouterr()
-    bench_run.run_bench(load_bench_config(str(config)), progress=False)
+    bench_run.run_bench(load_bench_config(config), progress=False)
     assert capsys.readouterr().out.count("finished earlier, skipped") == 2
+
+
+def test_a_shard_counts_a_cell_another_shard_finished_on_a_draft_made_while_it_ran(tmp_path, monkeypatch, one_thread):
+    # two shards (`--methods first` | `--methods later`): `later`'s draft did not exist when the first shard started,
+    # so its tables, written with the fingerprints of that moment, left out the cell the other shard finished
+    import vat.bench.run as bench_run
+
+    config, late_root = _late_draft_bench(tmp_path)
+    real_run_cell = bench_run.run_cell
+
+    def run_cell_while_the_other_shard_finishes(bench, cell, *args, **kwargs):
+        record = real_run_cell(bench, cell, *args, **kwargs)
+        if cell.method == "first":
+            _save_draft(late_root)  # the draft appears, and the other shard evaluates it
+            assert bench_run.run_bench(load_bench_config(config), progress=False, only=["later"])
+        return record
+
+    monkeypatch.setattr(bench_run, "run_cell", run_cell_while_the_other_shard_finishes)
+    summary = bench_run.run_bench(load_bench_config(config), progress=False, only=["first"])
+    assert summary["progress"] == {"cells_done": 2, "cells_total": 2, "complete": True}
+    assert summary["results"]["later"]["none"]["spec_bench"]["seeds"] == [0]
 
 
 def test_methods_on_their_own_targets_run_side_by_side(tmp_path, capsys, one_thread):

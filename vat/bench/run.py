@@ -140,7 +140,7 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
         cell.train_cfg.logging.progress = bool(progress and cell.train_cfg.logging.progress)
     print(f"[vat bench] {bench.name}: {len(bench.methods)} methods x {len(bench.seeds)} seeds + "
           f"{len(bench.baselines)} baselines = {len(cells)} cells -> {out}", flush=True)
-    fingerprints = [cell_fingerprint(bench, cell, cell.target_dir(target)) for cell in cells]
+    fingerprints = _fingerprints(bench, cells, target)
     if render_only:
         done = sum(recorded(c) is not None for c in cells)
         paths = write_outputs(bench, cells, fingerprints, target, out, as_recorded=True)
@@ -156,8 +156,8 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
         cell = cells[i]
         head = f"[vat bench {n}/{len(selected)}] {cell.name}"
         own_target = cell.target_dir(target)
-        # a draft or commitment file an earlier cell of this bench makes exists only now: hash it now
-        fingerprints[i] = cell_fingerprint(bench, cell, own_target)
+        # a draft or commitment file an earlier cell (or another shard) makes exists only now: hash them all now
+        fingerprints = _fingerprints(bench, cells, target)
         fingerprint = fingerprints[i]
         if finished(cell, fingerprint, bench, own_target) is not None:
             eta.done(cell, None)
@@ -167,12 +167,18 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
         record = run_cell(bench, cell, own_target, fingerprint, progress)
         worked = not (record.get("train", {}).get("reused", True) and record["eval"]["reused"])
         eta.done(cell, time.time() - start if worked else None, record["eval"]["seconds"] or None)
+        fingerprints = _fingerprints(bench, cells, target)  # cells another shard finished meanwhile count too
         write_outputs(bench, cells, fingerprints, target, out)
         print(f"{head}: {_cell_line(cell, record)} | {eta.text()}", flush=True)
-    paths = write_outputs(bench, cells, fingerprints, target, out)
+    paths = write_outputs(bench, cells, _fingerprints(bench, cells, target), target, out)
     print(f"[vat bench] done: {', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)
+
+
+def _fingerprints(bench: Any, cells: list[Cell], target: str) -> list[str]:
+    """Every cell's fingerprint from the files as they are now: a draft another cell or shard wrote since is hashed."""
+    return [cell_fingerprint(bench, cell, cell.target_dir(target)) for cell in cells]
 
 
 def _train_only(cells: list[Cell]) -> None:
