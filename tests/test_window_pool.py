@@ -408,3 +408,48 @@ def test_the_seed_summary_judges_each_arm_on_every_constrained_cell():
     assert seeds.merge_grids([grid, again])["results"]["ctl_s0"] == cells(100.0, 190.0)
     with pytest.raises(SystemExit, match="ctl_s0 is in two grids with different"):
         seeds.merge_grids([grid, {"results": {**doc["results"], "ctl_s0": cells(100.0, 191.0)}}])
+
+
+def test_the_end_to_end_seed_table_averages_arms_and_pairs_them_with_the_control(tmp_path):
+    """scripts/window_pool_tables.py --seeds on hand-built eval records: each arm's mean over seeds with its t
+    interval, the base's one value, ratios to the control paired seed by seed, and gzip records read like plain."""
+    import contextlib
+    import gzip
+    import importlib.util
+    import io
+    import sys
+    from unittest import mock
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "window_pool_tables.py")
+    spec = importlib.util.spec_from_file_location("window_pool_tables", path)
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+
+    def record(tau, mib, agreement):
+        row = {"tau": tau, "expert_bytes_per_token": mib * 2**20,
+               "quality": {"agreement": agreement, "stepwise_agreement": 0.9, "kl_to_natural": 0.01}}
+        return {"results": {"none": {"16": {"b@test": {**row, "tau": 1.0}}}, "draft/final": {"16": {"b@test": row}}}}
+
+    base = record(1.50, 10.0, 0.5)
+    evals = {"wp_s0": record(1.20, 12.0, 0.2), "wp_s1": record(1.26, 12.0, 0.3), "wp_s2": record(1.32, 12.0, 0.4),
+             "ctl_s0": record(1.50, 10.0, 0.3), "ctl_s1": record(1.40, 10.0, 0.3), "ctl_s2": record(1.20, 10.0, 0.3)}
+    text = tables.seed_table(base, evals, versus="ctl")
+    rows = {line.split(" | ")[2]: line for line in text.splitlines()[2:]}
+    assert set(rows) == {"base", "wp", "ctl"}
+    assert "| 1 | 1.500 | 10.00 | 50.0% |" in rows["base"]  # the base: one value, no interval, no ratio
+    # wp: mean τ 1.26, t interval over three seeds (sd 0.06, t_2 = 4.303): 1.26 ± 0.149
+    assert "| 3 | 1.260 [1.111, 1.409] | 12.00 [12.00, 12.00] | 30.0% [5.2%, 54.8%] |" in rows["wp"]
+    assert "(0.800 / 0.900 / 1.100)" in rows["wp"] and rows["wp"].endswith("| 1.200 [1.200, 1.200] |")
+    assert rows["ctl"].endswith("| – | – |")  # the control is not paired with itself
+    # the same records gzipped, through the command line
+    for label, ev in {"base": base, **evals}.items():
+        with gzip.open(tmp_path / f"{label}.json.gz", "wt") as f:
+            json.dump(ev, f)
+    args = [str(tmp_path / "base.json.gz")] + [f"{k}={tmp_path / k}.json.gz" for k in evals]
+    out = io.StringIO()
+    with mock.patch.object(sys, "argv", ["window_pool_tables.py", "--seeds", *args, "--versus", "ctl"]):
+        with contextlib.redirect_stdout(out):
+            tables.main()
+    assert out.getvalue().strip() == text.strip()
+    with pytest.raises(SystemExit, match="is not ARM_sSEED"):
+        tables.seed_table(base, {"wp": evals["wp_s0"]})
