@@ -22,6 +22,33 @@ from torch import nn
 from vat.errors import VatError
 
 
+class DraftInputs:
+    """What every drafter does with the target's frozen input embedding and with RoPE, mixed into its ``nn.Module``.
+
+    The drafter sets ``_embedding`` (a frozen embedding module or None) with ``object.__setattr__`` so it is neither
+    a parameter nor saved, and has ``config`` (``head_dim``, ``rope_theta``) and ``fc`` (whose weight fixes the
+    draft's dtype and device).
+    """
+
+    @property
+    def embed_tokens(self) -> nn.Module | None:
+        """The frozen target embedding, or None before ``set_embedding``."""
+        return self._embedding
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids -> (B, T, H) target embeddings in the draft's dtype and device."""
+        if self.embed_tokens is None:
+            raise VatError("the draft has no embedding: call set_embedding(target input embeddings) first")
+        return self.embed_tokens(input_ids).to(device=self.fc.weight.device, dtype=self._dtype)
+
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self._dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm: ``weight * x / sqrt(mean(x^2) + eps)``, statistics in fp32.
 

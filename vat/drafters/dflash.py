@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vat.drafters.common import RMSNorm, SwiGLUMLP, apply_rope, masked_attention, rope_cos_sin
+from vat.drafters.common import DraftInputs, RMSNorm, SwiGLUMLP, apply_rope, masked_attention, rope_cos_sin
 from vat.drafters.dflash_config import DFlashConfig, check_dflash_matches_target, default_target_layer_ids
 from vat.drafters.eagle3 import VH_PRIOR
 from vat.drafters.eagle3_layer import FrozenEmbedding
@@ -198,7 +198,7 @@ class DFlashCache:
         return self.keys[0].shape[2]
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DraftInputs, nn.Module):
     """The DFlash block drafter (see the module docstring for the graph and naming).
 
     Args:
@@ -246,11 +246,6 @@ class DFlashDrafter(nn.Module):
             raise VatError(f"target {what} has shape {tuple(weight.shape)}, the draft expects {expected} (vocab, hidden)")
 
     @property
-    def embed_tokens(self) -> FrozenEmbedding | None:
-        """The frozen target embedding, or None before :meth:`set_embedding`."""
-        return self._embedding
-
-    @property
     def lm_head(self) -> FrozenLMHead | None:
         """The frozen target LM head, or None before :meth:`set_lm_head`."""
         return self._lm_head
@@ -262,18 +257,6 @@ class DFlashDrafter(nn.Module):
         self.verification_head.bias.fill_(math.log(VH_PRIOR / (1.0 - VH_PRIOR)))
 
     # -- shared pieces --------------------------------------------------------------------------------------------
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens is None:
-            raise VatError("the draft has no embedding: call set_embedding(target input embeddings) first")
-        return self.embed_tokens(input_ids).to(device=self.fc.weight.device, dtype=self._dtype)
-
-    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self._dtype)
 
     def project_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """(B, S, n*H_t) concatenated target layer outputs -> context features (B, S, H): ``hidden_norm(fc(.))``."""

@@ -117,8 +117,7 @@ class DFlashConfig:
     def for_target(cls, target_config: Any, **overrides: Any) -> DFlashConfig:
         """A draft config sized from a transformers target config (dims, heads, RoPE, vocab, default layer ids).
 
-        The draft MLP is dense: the target's ``intermediate_size`` when it is a dense width (>= 2 * hidden, as in
-        Qwen-MoE / DeepSeek configs), otherwise (per-expert widths such as OLMoE's) ``4 * hidden_size``.
+        The shared dims (MLP width rule included) come from :func:`vat.drafters.common.draft_dims_for_target`.
 
         Args:
             target_config: the target's ``PretrainedConfig`` (text config for multimodal models).

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from vat.drafters.common import RMSNorm, masked_attention, rope_cos_sin
+from vat.drafters.common import DraftInputs, RMSNorm, masked_attention, rope_cos_sin
 from vat.drafters.eagle3_config import NUM_AUX_LAYERS, VH_INPUTS, Eagle3Config, check_draft_matches_target
 from vat.drafters.eagle3_layer import Eagle3Attention, Eagle3DecoderLayer, FrozenEmbedding
 from vat.drafters.sparse_attention import attention_with_private_keys, flex_ttt_attention, resolve_attention_impl
@@ -258,7 +258,7 @@ class Eagle3KVCache:
         self.positions = torch.cat([self.positions, positions], dim=1)
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(DraftInputs, nn.Module):
     """The EAGLE-3 draft head (see the module docstring for the graph and naming).
 
     Args:
@@ -298,11 +298,6 @@ class Eagle3Drafter(nn.Module):
             raise VatError(f"embedding has shape {tuple(weight.shape)}, the draft expects {expected} (vocab, hidden)")
         object.__setattr__(self, "_embedding", FrozenEmbedding(weight))
 
-    @property
-    def embed_tokens(self) -> FrozenEmbedding | None:
-        """The frozen target embedding, or None before :meth:`set_embedding`."""
-        return self._embedding
-
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocabulary: ``d2t`` int64 (V_d,) offsets and ``t2d`` bool (V,) (validated)."""
         validate_vocab_mapping(d2t, t2d, self.config.vocab_size, self.config.draft_vocab_size)
@@ -314,15 +309,6 @@ class Eagle3Drafter(nn.Module):
         return map_draft_to_target(draft_ids, self.d2t)
 
     # -- shared pieces --------------------------------------------------------------------------------------------
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens is None:
-            raise VatError("the draft has no embedding: call set_embedding(target input embeddings) first")
-        return self.embed_tokens(input_ids).to(device=self.fc.weight.device, dtype=self._dtype)
 
     def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, 3*H_t) concatenated aux states -> (B, T, H) via the optional norms and ``fc``."""
@@ -371,9 +357,6 @@ class Eagle3Drafter(nn.Module):
             raise VatError("this draft has no verification head (drafter.verification_head=false)")
         x = self.norm(hidden) if self.config.vh_input == "normed" else hidden
         return self.verification_head(x.detach() if detach else x).squeeze(-1)  # detach after the shared norm too
-
-    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self._dtype)
 
     # -- training-time test ---------------------------------------------------------------------------------------
 
