@@ -92,34 +92,46 @@ def _quality_note(q: dict) -> str:
     return agree + kl
 
 
-def plot_union_vs_tau(result: dict, path: str) -> str:
-    """Pareto scatter: mean experts per MoE layer per verification round (x) vs τ (y), one line per draft through
-    its budgets; the autoregressive baseline as a reference point."""
+def _plot_budget_fronts(series: dict[str, list[tuple]], path: str, xlabel: str, title: str) -> str:
+    """One line per draft through its budgets, points ``(x, τ, budget, quality)`` sorted by x, each budgeted point
+    labelled with its budget and quality (a budgeted τ is never shown without it); the autoregressive baseline as
+    grey squares."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for draft, per_budget in result["pooled"].items():
-        points = [(m["union_per_round"]["mean"], m["tau"], b, m.get("quality")) for b, m in per_budget.items()
-                  if m["union_per_round"]["mean"] is not None and m["tau"] is not None]
-        if not points:
-            continue
+    for draft, points in series.items():
+        points = sorted(points, key=lambda p: p[0])
         if draft == AR_LABEL:
             ax.scatter([p[0] for p in points], [p[1] for p in points], marker="s", color="grey",
                        label="autoregressive")
             continue
-        points.sort(key=lambda p: p[0])
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=draft)
-        for x, y, b, q in points:  # a budgeted τ is never shown without its quality
+        for x, y, b, q in points:
+            if b == NO_BUDGET:
+                continue
             note = f"B={b}" + ("" if not q else _quality_note(q))
             ax.annotate(note, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("expert union (experts per MoE layer per verification round)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("τ (tokens committed per verification round)")
-    ax.set_title("Expert union vs acceptance length across budgets")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_union_vs_tau(result: dict, path: str) -> str:
+    """Pareto scatter: mean experts per MoE layer per verification round (x) vs τ (y), one line per draft through
+    its budgets; the autoregressive baseline as a reference point."""
+    series = {}
+    for draft, per_budget in result["pooled"].items():
+        points = [(m["union_per_round"]["mean"], m["tau"], b, m.get("quality")) for b, m in per_budget.items()
+                  if m["union_per_round"]["mean"] is not None and m["tau"] is not None]
+        if points:
+            series[draft] = points
+    return _plot_budget_fronts(series, path, "expert union (experts per MoE layer per verification round)",
+                               "Expert union vs acceptance length across budgets")
 
 
 def plot_mib_vs_tau(result: dict, path: str) -> str | None:
@@ -132,31 +144,11 @@ def plot_mib_vs_tau(result: dict, path: str) -> str | None:
         points = [(m["expert_bytes_per_token"] / mib, m["tau"], b, m.get("quality")) for b, m in per_budget.items()
                   if m.get("expert_bytes_per_token") is not None and m.get("tau") is not None]
         if points:
-            series[draft] = sorted(points, key=lambda p: p[0])
+            series[draft] = points
     if not series:
         return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for draft, points in series.items():
-        if draft == AR_LABEL:
-            ax.scatter([p[0] for p in points], [p[1] for p in points], marker="s", color="grey",
-                       label="autoregressive")
-            continue
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=draft)
-        for x, y, b, q in points:
-            if b == NO_BUDGET:
-                continue
-            note = f"B={b}" + ("" if not q else _quality_note(q))  # a budgeted τ is never shown without its quality
-            ax.annotate(note, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("expert MiB read per generated token")
-    ax.set_ylabel("τ (tokens committed per verification round)")
-    ax.set_title("Expert bytes per token vs acceptance length across budgets")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _plot_budget_fronts(series, path, "expert MiB read per generated token",
+                               "Expert bytes per token vs acceptance length across budgets")
 
 
 def plot_modeled_speedup(result: dict, path: str) -> str:

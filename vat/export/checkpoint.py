@@ -181,9 +181,18 @@ def unwrap_draft(model: Any) -> Eagle3Drafter:
     return model
 
 
-def warn_unsupported(fmt: str, what: str) -> None:
+def warn_unsupported(fmt: str, what: str, stacklevel: int = 3) -> None:
     """A flag some engine versions ignore: warn (never silent) but still write it."""
-    warnings.warn(f"{fmt} export: {what}", stacklevel=3)
+    warnings.warn(f"{fmt} export: {what}", stacklevel=stacklevel)
+
+
+def warn_flags_older_engines_ignore(fmt: str, cfg: Eagle3Config, flags: tuple[str, ...], engine: str) -> None:
+    """Warn once per boolean config flag in ``flags`` that is set: it is written to config.json, but ``engine``'s
+    older builds ignore it (the warning points at the export's caller)."""
+    for flag in flags:
+        if getattr(cfg, flag):
+            warn_unsupported(fmt, f"{flag}=true is written to config.json but older {engine} builds ignore it",
+                             stacklevel=4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from vat.export.checkpoint import (
     register_format,
     unwrap_draft,
     vat_block,
+    warn_flags_older_engines_ignore,
     warn_unsupported,
     write_draft_files,
 )
@@ -69,9 +70,7 @@ def export_sglang(model: Eagle3Drafter, output: str) -> str:
     """
     model = unwrap_draft(model)
     cfg = model.config
-    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm"):
-        if getattr(cfg, flag):
-            warn_unsupported("sglang", f"{flag}=true is written to config.json but older SGLang builds ignore it")
+    warn_flags_older_engines_ignore("sglang", cfg, ("norm_before_residual", "norm_before_fc", "fc_norm"), "SGLang")
     if cfg.norm_output:
         warn_unsupported("sglang", "norm_output=true: SGLang feeds the pre-norm hidden to the next draft step")
     if cfg.sliding_window is not None:

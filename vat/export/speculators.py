@@ -31,7 +31,7 @@ from vat.export.checkpoint import (
     register_format,
     unwrap_draft,
     vat_block,
-    warn_unsupported,
+    warn_flags_older_engines_ignore,
     write_draft_files,
 )
 from vat.export.target_embedding import read_target_embedding
@@ -136,9 +136,7 @@ def export_speculators(
     """
     model = unwrap_draft(model)
     cfg = model.config
-    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-        if getattr(cfg, flag):
-            warn_unsupported("speculators", f"{flag}=true is written to config.json but older vLLM builds ignore it")
+    warn_flags_older_engines_ignore("speculators", cfg, ("norm_before_fc", "fc_norm", "norm_output"), "vLLM")
     main, vh = draft_state(model)
     dtype = main["fc.weight"].dtype
     if cfg.draft_vocab_size == cfg.vocab_size:  # speculators keeps no mapping for the full vocab

@@ -474,14 +474,8 @@ def _launch_gate_up(x, w1, b1, act, alignment: Alignment, num_experts, top_k, la
         TOP_K=top_k, ACTIVATION=_ACTIVATION_CODE[layout.activation], HAS_BIAS=b1 is not None,
         IEEE=w1.dtype == torch.float32, BLOCK_M=alignment.block_size,
     )  # fmt: skip
-    if tuned:
-        grid = lambda m: (alignment.max_blocks, triton.cdiv(inter, m["BLOCK_N"]))
-        _gate_up_act_tuned[grid](*args, **meta)
-        return
-    block_n, block_k = _tile(config.block_n, inter), _tile(config.block_k, hidden)
-    grid = (alignment.max_blocks, triton.cdiv(inter, block_n))
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages) if not INTERPRETED else {}
-    _gate_up_act_kernel[grid](*args, **meta, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+    kernel = _gate_up_act_tuned if tuned else _gate_up_act_kernel
+    _launch(kernel, tuned, args, meta, alignment, config, out_extent=inter, reduce_extent=hidden)
 
 
 def _launch_down(act, w2, b2, flat_weights, y, alignment: Alignment, num_experts, layout, config, tuned) -> None:
@@ -497,11 +491,18 @@ def _launch_down(act, w2, b2, flat_weights, y, alignment: Alignment, num_experts
         y.stride(0), y.stride(1),
     )  # fmt: skip
     meta = dict(HAS_BIAS=b2 is not None, IEEE=w2.dtype == torch.float32, BLOCK_M=alignment.block_size)
+    kernel = _down_tuned if tuned else _down_kernel
+    _launch(kernel, tuned, args, meta, alignment, config, out_extent=hidden, reduce_extent=inter)
+
+
+def _launch(kernel, tuned: bool, args: tuple, meta: dict, alignment: Alignment, config, out_extent: int,
+            reduce_extent: int) -> None:
+    """Launch one of the two GEMM kernels over (aligned row blocks, output column tiles): the autotuned variant picks
+    its own tiles; the fixed one takes ``config``'s, clamped to the extents (output N, reduction K)."""
     if tuned:
-        grid = lambda m: (alignment.max_blocks, triton.cdiv(hidden, m["BLOCK_N"]))
-        _down_tuned[grid](*args, **meta)
+        kernel[lambda m: (alignment.max_blocks, triton.cdiv(out_extent, m["BLOCK_N"]))](*args, **meta)
         return
-    block_n, block_k = _tile(config.block_n, hidden), _tile(config.block_k, inter)
-    grid = (alignment.max_blocks, triton.cdiv(hidden, block_n))
+    block_n, block_k = _tile(config.block_n, out_extent), _tile(config.block_k, reduce_extent)
+    grid = (alignment.max_blocks, triton.cdiv(out_extent, block_n))
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages) if not INTERPRETED else {}
-    _down_kernel[grid](*args, **meta, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+    kernel[grid](*args, **meta, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
