@@ -188,6 +188,30 @@ def test_a_record_keeps_every_per_prompt_count_by_column():
         compact_eval({"settings": {}})
 
 
+def test_a_record_refuses_a_summary_rendered_with_another_config(tmp_path):
+    """A shard started before a method was added writes a bench.json without it: --record stops in one line naming
+    the difference (rather than ship that bench.json beside a config that has the method), and records once the
+    summary matches the config."""
+    from vat.bench.record import summary_differs_from_config, write_record
+
+    cfg = load_bench_config(QUICK, [f"output_dir={tmp_path / 'bench'}", "seeds=[0,1]"])
+    summary = {"methods": sorted(cfg.methods), "baselines": list(cfg.baselines), "compare": [],
+               "reference": cfg.reference, "seeds": [1, 0]}
+    assert summary_differs_from_config(summary, cfg) == ""
+    stale = {**summary, "methods": [m for m in cfg.methods if m != "vat"]}
+    assert summary_differs_from_config(stale, cfg) == f"methods {stale['methods']} against {sorted(cfg.methods)}"
+    os.makedirs(cfg.output_dir)
+    with open(os.path.join(cfg.output_dir, "bench.json"), "w") as f:
+        json.dump(stale, f)
+    with pytest.raises(VatError, match=r"rendered with another config \(methods .*--render with --record"):
+        write_record(cfg, str(tmp_path / "record"))
+    assert not os.path.exists(tmp_path / "record")  # nothing half-written
+    with open(os.path.join(cfg.output_dir, "bench.json"), "w") as f:
+        json.dump(summary, f)
+    assert write_record(cfg, str(tmp_path / "record"))["cells"] == 0
+    assert os.path.isfile(tmp_path / "record" / "bench.json")
+
+
 def test_bench_config_loads_and_names_bad_keys():
     cfg = load_bench_config(QUICK, ["eval.limit=5", "seeds=[3]", "methods.extra.recipe=tiny/eagle3.yaml"])
     assert cfg.eval.limit == 5 and list(cfg.seeds) == [3] and set(cfg.methods) == {"eagle3", "vat", "extra"}

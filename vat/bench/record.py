@@ -123,6 +123,20 @@ def record_cell(cell: str, dest: str) -> list[str]:
     return kept
 
 
+def summary_differs_from_config(summary: dict, bench: Any) -> str:
+    """What a rendered bench.json says differently from ``bench`` about which cells its tables pair (methods,
+    baselines, compare, reference, seeds), e.g. ``methods ['a', 'b'] against ['a', 'b', 'c']``; '' when nothing."""
+    wanted = {"methods": sorted(bench.methods), "baselines": sorted(bench.baselines), "compare": sorted(bench.compare),
+              "reference": bench.reference, "seeds": sorted(bench.seeds)}
+    differs = []
+    for key, value in wanted.items():
+        have = summary.get(key)
+        have = sorted(have) if isinstance(have, list) else have
+        if have != value:
+            differs.append(f"{key} {have} against {value}")
+    return ", ".join(differs)
+
+
 def write_record(bench: Any, dest: str) -> dict[str, int]:
     """Write the record of a bench (a :class:`vat.bench.config.BenchConfig` whose cells ran) to folder ``dest``.
 
@@ -136,6 +150,11 @@ def write_record(bench: Any, dest: str) -> dict[str, int]:
     report = report_dir(cells_dir, bench.name)
     if not os.path.isfile(os.path.join(report, "bench.json")):
         raise VatError(f"{report} has no bench.json: run the bench (or --render it) before recording it")
+    with open(os.path.join(report, "bench.json")) as f:
+        differs = summary_differs_from_config(json.load(f), bench)
+    if differs:
+        raise VatError(f"{report}/bench.json was rendered with another config ({differs}; e.g. a shard started before "
+                       "the config changed): pass --render with --record to render it from the cells first")
     if os.path.abspath(dest) in (cells_dir, os.path.abspath(report)):
         raise VatError(f"--record {dest}: that is the bench's own output; name another folder")
     kept: list[str] = []
