@@ -125,12 +125,15 @@ def record_cell(cell: str, dest: str) -> list[str]:
 
 def summary_differs_from_config(summary: dict, bench: Any) -> str:
     """What a rendered bench.json says differently from ``bench`` about which cells its tables pair (methods,
-    baselines, compare, reference, seeds), e.g. ``methods ['a', 'b'] against ['a', 'b', 'c']``; '' when nothing."""
+    baselines, compare, reference, seeds), e.g. ``methods ['a', 'b'] against ['a', 'b', 'c']``; '' when nothing (a key
+    the summary lacks is not compared)."""
     wanted = {"methods": sorted(bench.methods), "baselines": sorted(bench.baselines), "compare": sorted(bench.compare),
               "reference": bench.reference, "seeds": sorted(bench.seeds)}
     differs = []
     for key, value in wanted.items():
-        have = summary.get(key)
+        if key not in summary:  # a summary written before the key existed says nothing about it
+            continue
+        have = summary[key]
         have = sorted(have) if isinstance(have, list) else have
         if have != value:
             differs.append(f"{key} {have} against {value}")
