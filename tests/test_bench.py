@@ -213,6 +213,26 @@ def test_a_record_refuses_a_summary_rendered_with_another_config(tmp_path):
     assert os.path.isfile(tmp_path / "record" / "bench.json")
 
 
+def test_a_shard_with_another_config_is_told_what_changed(tmp_path):
+    """A `--methods` shard launched with other overrides than the run it joins rewrites bench_config.yaml, and the
+    summary follows it: the shard is told which keys changed; the same config, a first run, or another bench's config
+    in a shared folder say nothing."""
+    from omegaconf import OmegaConf
+
+    from vat.bench.config import config_changes
+
+    path = str(tmp_path / "bench_config.yaml")
+    first = load_bench_config(QUICK, ["seeds=[0,1]", "eval.limit=20"])
+    assert config_changes(path, first) == ""  # no earlier run
+    with open(path, "w") as f:
+        f.write(OmegaConf.to_yaml(first))
+    assert config_changes(path, load_bench_config(QUICK, ["seeds=[0,1]", "eval.limit=20"])) == ""
+    shard = load_bench_config(QUICK, ["seeds=[0,1]", "eval.limit=40", "methods.extra.recipe=tiny/eagle3.yaml"])
+    assert config_changes(path, shard) == "methods.extra added, eval.limit 20 -> 40"
+    assert config_changes(path, load_bench_config(QUICK, ["seeds=[0]", "eval.limit=20"])) == "seeds [0, 1] -> [0]"
+    assert config_changes(path, load_bench_config(QUICK, ["seeds=[0,1]", "name=other"])) == ""
+
+
 def test_bench_config_loads_and_names_bad_keys():
     cfg = load_bench_config(QUICK, ["eval.limit=5", "seeds=[3]", "methods.extra.recipe=tiny/eagle3.yaml"])
     assert cfg.eval.limit == 5 and list(cfg.seeds) == [3] and set(cfg.methods) == {"eagle3", "vat", "extra"}

@@ -8,6 +8,7 @@ for a training recipe. It lives in the bench package because checking a bench's 
 
 from __future__ import annotations
 
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -262,3 +263,31 @@ def _check_bench_eval(cfg: Any) -> None:
     ev = cfg.eval
     check_eval_section("eval", offload=ev.offload, offload_policy=ev.offload_policy, offload_link=ev.offload_link,
                        cost_model=ev.cost_model)
+
+
+def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """``key old -> new`` for each leaf that differs, ``key added`` / ``key removed`` for a whole missing section."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [f"{prefix} {old} -> {new}"]
+    found: list[str] = []
+    for key in [*old, *(k for k in new if k not in old)]:
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key not in new or key not in old:
+            found.append(f"{name} {'removed' if key not in new else 'added'}")
+        else:
+            found += _differences(old[key], new[key], name)
+    return found
+
+
+def config_changes(path: str, bench: Any, shown: int = 6) -> str:
+    """How ``bench`` differs from the bench config an earlier run (or another shard) wrote at ``path``, as
+    ``key old -> new`` items (at most ``shown``, then a count); '' when it does not, or when ``path`` is absent or
+    names another bench (benches sharing a cells folder report apart)."""
+    if not os.path.isfile(path):
+        return ""
+    old = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    if not isinstance(old, dict) or old.get("name") != bench.name:
+        return ""
+    changed = _differences(old, OmegaConf.to_container(bench, resolve=False))
+    more = f" and {len(changed) - shown} more" if len(changed) > shown else ""
+    return ", ".join(changed[:shown]) + more

@@ -28,7 +28,7 @@ from vat.bench.cells import (
     run_cell,
     train_stage,
 )
-from vat.bench.config import load_bench_config
+from vat.bench.config import config_changes, load_bench_config
 from vat.bench.plots import write_plots
 from vat.bench.record import write_record
 from vat.bench.summary import build_summary, write_summary
@@ -129,6 +129,10 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
     out = report_dir(cells_dir, bench.name)
     os.makedirs(out, exist_ok=True)
     if not render_only:
+        changes = config_changes(os.path.join(out, "bench_config.yaml"), bench)
+        if changes:  # a shard with other overrides than the run it joins: the summary follows the latest config
+            print(f"[vat bench] warning: this config differs from the one {out} was run with ({changes}); cells "
+                  "keep their own settings, the summary now follows this config", flush=True)
         write_text_atomic(os.path.join(out, "bench_config.yaml"), OmegaConf.to_yaml(bench))
     cells = plan_cells(bench, cells_dir)
     selected = select_cells(cells, only)  # before the target is built: a bad name stops at once
