@@ -89,7 +89,7 @@ def seed_table(base: dict, evals: dict[str, dict], versus: str | None = None) ->
                 for a, by_seed in arms.items()}
             for arm, by_seed in groups.items():
                 f = [_figures(by_seed[s]) for s in sorted(by_seed)]
-                col = lambda k, fmt: _cell([x[k] for x in f if x[k] is not None], fmt)  # noqa: E731
+                col = lambda k, fmt, f=f: _cell([x[k] for x in f if x[k] is not None], fmt)  # noqa: E731
                 line = (f"| {bench} | {budget} | {arm} | {len(f)} | {col('tau', '.3f')} | {col('mib', '.2f')} | "
                         f"{col('agreement', '.1%')} | {col('stepwise', '.1%')} | {col('kl', '.4f')} |")
                 if versus:
