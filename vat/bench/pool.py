@@ -12,7 +12,6 @@ covers the spread between builds as well as between seeds.
 from __future__ import annotations
 
 import glob
-import gzip
 import json
 import os
 import re
@@ -23,8 +22,8 @@ import numpy as np
 from vat.bench.record import per_prompt
 from vat.bench.stats import ratio_record
 from vat.errors import VatError
+from vat.eval.config import NO_BUDGET
 
-NO_BUDGET = "none"
 SETTINGS_COMPARED = ("mode", "steps", "tree", "temperature", "budgets", "policy", "max_new_tokens", "limit")
 
 
@@ -39,12 +38,12 @@ class PooledRows:
 
 
 def _eval(cell_dir: str) -> dict | None:
-    for name in ("eval.json", "eval.json.gz"):
-        path = os.path.join(cell_dir, "eval", name)
-        if os.path.isfile(path):
-            with (gzip.open(path, "rt") if name.endswith(".gz") else open(path)) as f:
-                return json.load(f)
-    return None
+    """A finished cell's eval.json (full, or a record's compact one), or None."""
+    path = os.path.join(cell_dir, "eval", "eval.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _seeds(record: str, method: str) -> list[int]:
