@@ -24,12 +24,12 @@ from vat.bench.record import per_prompt
 from vat.bench.stats import bootstrap_tau, paired_ratio, per_seed_tau, pooled_tau, ratio_record
 from vat.bench.text import fmt_estimate, ratio_cell
 from vat.errors import VatError
+from vat.eval.config import NO_BUDGET
 from vat.eval.cost import get_accelerator
 from vat.eval.quality import add_counts, empty_counts, summarize_quality
 from vat.export.checkpoint import write_text_atomic
 
 BENCH_FORMAT_VERSION = 2  # 2: τ on delivered tokens; ratios with per-seed values, a t interval and `win`
-NO_BUDGET = "none"
 MIB = 1024.0 * 1024.0
 EXTRA_COUNTS = ("expert_bytes", "kept", "modeled_seconds", "modeled_ar_seconds")  # per-prompt counts beside τ's
 

@@ -23,6 +23,7 @@ from vat.eval.policies.registry import DEFAULT_TREE_POLICY, choices, picked, sel
 from vat.eval.tree import TreeSpec
 from vat.target.budget import POLICIES, RANKS
 
+AR_LABEL = "none"  # the autoregressive baseline's label in every result table
 NO_BUDGET = "none"
 SELF_SIZED = "auto"  # the budget of a policy that sizes its expert set itself (acceptmoe)
 

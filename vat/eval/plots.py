@@ -8,8 +8,7 @@ import os
 import matplotlib
 import matplotlib.pyplot as plt
 
-AR_LABEL = "none"
-NO_BUDGET = "none"
+from vat.eval.config import AR_LABEL, NO_BUDGET
 
 
 def _pyplot():

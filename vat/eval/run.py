@@ -27,6 +27,7 @@ from vat.drafters.eagle3 import Eagle3Drafter, check_draft_matches_target
 from vat.errors import VatError
 from vat.eval.benchmarks import load_benchmark
 from vat.eval.config import (
+    AR_LABEL,
     EVAL_FIELDS,
     NO_BUDGET,
     CheckedEval,
@@ -59,7 +60,6 @@ from vat.eval.tree import TreeSpec
 from vat.export.checkpoint import load_draft
 from vat.target import BudgetSpec, FrozenTarget, load_target
 
-AR_LABEL = "none"
 EVAL_FORMAT_VERSION = 1
 
 
