@@ -192,6 +192,8 @@ def test_a_record_refuses_a_summary_rendered_with_another_config(tmp_path):
     """A shard started before a method was added writes a bench.json without it: --record stops in one line naming
     the difference (rather than ship that bench.json beside a config that has the method), and records once the
     summary matches the config."""
+    from omegaconf import OmegaConf
+
     from vat.bench.record import summary_differs_from_config, write_record
 
     cfg = load_bench_config(QUICK, [f"output_dir={tmp_path / 'bench'}", "seeds=[0,1]"])
@@ -209,7 +211,11 @@ def test_a_record_refuses_a_summary_rendered_with_another_config(tmp_path):
     assert not os.path.exists(tmp_path / "record")  # nothing half-written
     with open(os.path.join(cfg.output_dir, "bench.json"), "w") as f:
         json.dump(summary, f)
+    with open(os.path.join(cfg.output_dir, "bench_config.yaml"), "w") as f:  # as the last seed shard left it
+        f.write(OmegaConf.to_yaml(load_bench_config(QUICK, [f"output_dir={tmp_path / 'bench'}", "seeds=[1]"])))
     assert write_record(cfg, str(tmp_path / "record"))["cells"] == 0
+    # the record carries the config its summary was rendered with, so re-reading it renders the same seeds
+    assert list(load_bench_config(str(tmp_path / "record" / "bench_config.yaml")).seeds) == [0, 1]
     assert os.path.isfile(tmp_path / "record" / "bench.json")
 
 

@@ -1,7 +1,8 @@
 """A bench's record: what a repository keeps of a finished bench, small enough to commit, enough to recompute it.
 
-``vat bench CONFIG --record DIR`` copies from the bench's output directory its summary (bench.json, bench.md, the PNGs,
-bench_config.yaml) and, per cell, cell.json, the training config and the evaluation's settings, with each eval.json
+``vat bench CONFIG --record DIR`` copies from the bench's output directory its summary (bench.json, bench.md, the PNGs),
+writes the config that summary was rendered with (bench_config.yaml: a seed shard may have left another one in the
+output directory) and, per cell, cell.json, the training config and the evaluation's settings, with each eval.json
 cut to what ``vat bench --render`` reads: the settings, the drafts, and the per-prompt counts (stored by column, one
 list per count, instead of one dict per prompt). Left out: checkpoints, drafts, training metrics, the curve points'
 own evaluations (their τ is in cell.json) and the eval's aggregate tables (rebuilt from the counts). A record renders
@@ -16,8 +17,11 @@ import os
 import shutil
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from vat.bench.cells import plan_cells, report_dir
 from vat.errors import VatError
+from vat.export.checkpoint import write_text_atomic
 
 # the eval.json keys a record keeps: what the bench summary reads, and what says how the eval ran
 EVAL_KEYS = ("vat_eval_version", "target", "target_info", "settings", "cost_model", "drafts", "benchmarks",
@@ -162,7 +166,11 @@ def write_record(bench: Any, dest: str) -> dict[str, int]:
         raise VatError(f"--record {dest}: that is the bench's own output; name another folder")
     kept: list[str] = []
     for name in [*SUMMARY_FILES, *(os.path.basename(p) for p in glob.glob(os.path.join(report, "*.png")))]:
-        if os.path.isfile(os.path.join(report, name)):
+        if name == "bench_config.yaml":  # the config the summary was checked against, not the last shard's
+            os.makedirs(dest, exist_ok=True)
+            write_text_atomic(os.path.join(dest, name), OmegaConf.to_yaml(bench))
+            kept.append(os.path.join(dest, name))
+        elif os.path.isfile(os.path.join(report, name)):
             _copy(os.path.join(report, name), os.path.join(dest, name))
             kept.append(os.path.join(dest, name))
     cells = [c for c in plan_cells(bench, cells_dir) if os.path.isfile(os.path.join(c.directory, "cell.json"))]
