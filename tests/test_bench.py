@@ -171,13 +171,24 @@ def test_delivered_tau_counts_no_token_past_the_cap(tmp_path):
 def test_a_record_keeps_every_per_prompt_count_by_column():
     from vat.bench.record import compact_eval, from_columns, per_prompt, to_columns
 
+    offload = {"24": {"h2d_bytes": 195747840.0, "hits": 9715.0, "modeled_seconds": 0.0036},
+               "32": {"h2d_bytes": 78225408.0, "hits": 11245.0, "modeled_seconds": 0.0017}}
     prompts = [{"question_id": 81, "rounds": 27, "kept": 126, "expert_bytes": 730497024.0,
-                "quality": {"matches": 80.0, "kl_sum": 0.0727}},
-               {"question_id": "HumanEval/0", "rounds": 18, "kept": 63, "expert_bytes": 1.5, "output_hash": "ab"}]
+                "quality": {"matches": 80.0, "kl_sum": 0.0727}, "offload": offload},
+               {"question_id": "HumanEval/0", "rounds": 18, "kept": 63, "expert_bytes": 1.5, "output_hash": "ab",
+                "offload": {"24": {"h2d_bytes": 3.0, "hits": 1.0, "modeled_seconds": 0.5}}}]
     columns = to_columns(prompts)
-    assert columns["expert_bytes"] == [730497024, 1.5] and columns["quality.kl_sum"] == [0.0727, None]
+    assert columns["expert_bytes"] == [730497024, 1.5] and to_columns([{"s": 0.1 + 0.2}])["s"] == [0.3] and columns["quality"]["kl_sum"] == [0.0727, None]
     assert columns["output_hash"] == [None, "ab"]
+    # the offload counts per cache size are columns too, not one dict per prompt
+    assert columns["offload"]["24"]["h2d_bytes"] == [195747840, 3] and columns["offload"]["32"]["hits"] == [11245, None]
     assert from_columns(columns) == prompts
+    assert from_columns(json.loads(json.dumps(columns))) == prompts
+    # the first record layout (a nested dict flattened one level into ``a.b`` columns) still reads
+    first_layout = {"question_id": [81, "HumanEval/0"], "quality.kl_sum": [0.0727, None],
+                    "offload.24": [offload["24"], None]}
+    assert from_columns(first_layout) == [{"question_id": 81, "quality": {"kl_sum": 0.0727}, "offload": {"24": offload["24"]}},
+                                          {"question_id": "HumanEval/0"}]
     full = {"settings": {"temperature": 0.0}, "results": {"big": 1}, "pooled": {}, "drafts": {"d": {}},
             "per_prompt": {"d": {"none": {"spec_bench": prompts}}}}
     compact = compact_eval(full)

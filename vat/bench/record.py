@@ -4,7 +4,7 @@
 writes the config that summary was rendered with (bench_config.yaml: a seed shard may have left another one in the
 output directory) and, per cell, cell.json, the training config and the evaluation's settings, with each eval.json
 cut to what ``vat bench --render`` reads: the settings, the drafts, and the per-prompt counts (stored by column, one
-list per count, instead of one dict per prompt). Left out: checkpoints, drafts, training metrics, the curve points'
+list per count and nested columns for a nested dict, instead of one dict per prompt). Left out: checkpoints, drafts, training metrics, the curve points'
 own evaluations (their τ is in cell.json) and the eval's aggregate tables (rebuilt from the counts). A record renders
 the same tables as the full bench: ``vat bench DIR/bench_config.yaml output_dir=DIR --render``.
 """
@@ -26,47 +26,71 @@ from vat.export.checkpoint import write_text_atomic
 # the eval.json keys a record keeps: what the bench summary reads, and what says how the eval ran
 EVAL_KEYS = ("vat_eval_version", "target", "target_info", "settings", "cost_model", "drafts", "benchmarks",
              "benchmark_sources", "skipped", "quality_reference", "examples", "seconds")
-COLUMNS_KEY = "per_prompt_columns"  # {label: {budget: {benchmark: {count: [value per prompt]}}}}
+COLUMNS_KEY = "per_prompt_columns"  # {label: {budget: {benchmark: {count: [value per prompt] or nested columns}}}}
 SUMMARY_FILES = ("bench.json", "bench.md", "bench_config.yaml")
 CELL_FILES = ("cell.json", os.path.join("eval", "bench_settings.json"), os.path.join("train", "config.yaml"))
 
 
+FLOAT_DIGITS = 12  # significant digits a record keeps of a non-integral count (modeled seconds, KL sums)
+
+
 def _compact_number(value: Any) -> Any:
-    """An integral float as an int (byte and token counts are written as floats): same value, fewer characters."""
+    """An integral float as an int (byte and token counts are written as floats): same value, fewer characters; any
+    other float to :data:`FLOAT_DIGITS` significant digits (its last digits are rounding noise of the cost model)."""
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         return int(value)
+    if isinstance(value, float):
+        return float(f"{value:.{FLOAT_DIGITS}g}")
     return value
 
 
-def to_columns(prompts: list[dict]) -> dict[str, list]:
-    """One benchmark's per-prompt dicts as columns; a nested dict (``quality``) becomes ``quality.<key>`` columns.
+def to_columns(prompts: list[dict]) -> dict[str, Any]:
+    """One benchmark's per-prompt dicts as columns: one list per count, and a nested dict (``quality``, the offload
+    counts per cache size) as nested columns, ``{"offload": {"24": {"h2d_bytes": [value per prompt]}}}``.
 
-    Every prompt must carry the same keys (an eval writes them so); a key some prompts lack is kept with None there.
+    Every prompt should carry the same keys (an eval writes them so); a key some prompts lack is kept with None there.
     """
     keys: list[str] = []
-    flat_rows = []
     for prompt in prompts:
-        flat = {}
-        for key, value in prompt.items():
-            if isinstance(value, dict):
-                flat.update({f"{key}.{sub}": v for sub, v in value.items()})
-            else:
-                flat[key] = value
-        flat_rows.append(flat)
-        keys += [k for k in flat if k not in keys]
-    return {key: [_compact_number(row.get(key)) for row in flat_rows] for key in keys}
+        keys += [k for k in prompt if k not in keys]
+    columns: dict[str, Any] = {}
+    for key in keys:
+        values = [prompt.get(key) for prompt in prompts]
+        present = [v for v in values if v is not None]
+        if present and all(isinstance(v, dict) for v in present):
+            columns[key] = to_columns([v if isinstance(v, dict) else {} for v in values])
+        else:
+            columns[key] = [_compact_number(v) for v in values]
+    return columns
 
 
-def from_columns(columns: dict[str, list]) -> list[dict]:
-    """The per-prompt dicts :func:`to_columns` was given (None entries dropped, ``a.b`` columns nested again)."""
-    n = len(next(iter(columns.values()), []))
-    prompts: list[dict] = [{} for _ in range(n)]
+def _column_length(columns: dict[str, Any]) -> int:
+    for values in columns.values():
+        if isinstance(values, list):
+            return len(values)
+        length = _column_length(values)
+        if length:
+            return length
+    return 0
+
+
+def from_columns(columns: dict[str, Any]) -> list[dict]:
+    """The per-prompt dicts :func:`to_columns` was given (None entries and empty nested dicts dropped).
+
+    Also reads the first record layout, where a nested dict was flattened one level into ``a.b`` columns.
+    """
+    prompts: list[dict] = [{} for _ in range(_column_length(columns))]
     for key, values in columns.items():
+        if isinstance(values, dict):
+            for prompt, nested in zip(prompts, from_columns(values)):
+                if nested:
+                    prompt[key] = nested
+            continue
         outer, _, inner = key.partition(".")
         for prompt, value in zip(prompts, values):
             if value is None:
                 continue
-            if inner:
+            if inner:  # the first layout's ``quality.<key>`` column
                 prompt.setdefault(outer, {})[inner] = value
             else:
                 prompt[key] = value
