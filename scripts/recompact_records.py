@@ -46,10 +46,10 @@ def recompact(path: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", help="folder holding records (searched recursively for eval/eval.json)")
+    parser.add_argument("root", help="folder holding records (searched recursively for eval.json)")
     args = parser.parse_args(argv)
     total_before = total_after = count = 0
-    for path in sorted(glob.glob(os.path.join(args.root, "**", "eval", "eval.json"), recursive=True)):
+    for path in sorted(glob.glob(os.path.join(args.root, "**", "eval.json"), recursive=True)):
         with open(path) as f:
             if COLUMNS_KEY not in json.load(f):
                 continue  # a full eval.json, not a record's
