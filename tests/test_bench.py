@@ -426,6 +426,9 @@ def test_quick_bench_end_to_end_and_rerun_skips(tmp_path, capsys, one_thread):
     assert json.loads((rec / "bench.json").read_text())["results"] == json.loads((out / "bench.json").read_text())["results"]
     assert vat_main(["bench", QUICK, f"output_dir={out}", "--record", str(out)]) == 2  # never over its own output
     assert "that is the bench's own output" in capsys.readouterr().err
+    # a render whose config names fewer seeds than the folder has finished says which it leaves out
+    assert vat_main(["bench", str(rec / "bench_config.yaml"), f"output_dir={rec}", "seeds=[1]", "--render"]) == 0
+    assert "finished cells of seeds [0] are not in this config's seeds [1]" in capsys.readouterr().out
 
 
 def _two_budget_summary(stats: dict, methods: list[str], seeds: list[int]) -> dict:

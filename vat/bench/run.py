@@ -8,6 +8,7 @@ every cell, bench.json, bench.md and the PNGs are rebuilt from the cells finishe
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -150,6 +151,7 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
         paths = write_outputs(bench, cells, fingerprints, target, out, as_recorded=True)
         print(f"[vat bench] rendered {done} of {len(cells)} finished cells: "
               f"{', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
+        _note_seeds_left_out(bench, cells_dir)
         with open(os.path.join(out, "bench.json")) as f:
             return json.load(f)
     if train_only:
@@ -176,8 +178,29 @@ def run_bench(bench: Any, progress: bool | None = None, render_only: bool = Fals
         print(f"{head}: {_cell_line(cell, record)} | {eta.text()}", flush=True)
     paths = write_outputs(bench, cells, _fingerprints(bench, cells, target), target, out)
     print(f"[vat bench] done: {', '.join(os.path.relpath(p, out) for p in paths)} in {out}", flush=True)
+    _note_seeds_left_out(bench, cells_dir)
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)
+
+
+def seeds_left_out(bench: Any, cells_dir: str) -> list[int]:
+    """Seeds with a finished cell (cell.json) of one of the bench's methods under ``cells_dir`` that the config's
+    ``seeds`` leave out of the summary: what a seed shard's config, left in the run folder, hides from a render."""
+    found = set()
+    for path in glob.glob(os.path.join(cells_dir, "cells", "*", "seed*", "cell.json")):
+        label, seed_dir = path.split(os.sep)[-3:-1]
+        if label in bench.methods and seed_dir[4:].isdigit():
+            found.add(int(seed_dir[4:]))
+    return sorted(found - {int(s) for s in bench.seeds})
+
+
+def _note_seeds_left_out(bench: Any, cells_dir: str) -> None:
+    left_out = seeds_left_out(bench, cells_dir)
+    if left_out:
+        every = sorted({*left_out, *(int(s) for s in bench.seeds)})
+        print(f"[vat bench] note: finished cells of seeds {left_out} are not in this config's seeds "
+              f"{[int(s) for s in bench.seeds]}, so the tables leave them out; render them with "
+              f"'seeds=[{','.join(map(str, every))}]' --render", flush=True)
 
 
 def _fingerprints(bench: Any, cells: list[Cell], target: str) -> list[str]:
