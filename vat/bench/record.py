@@ -25,7 +25,7 @@ from vat.export.checkpoint import write_text_atomic
 
 # the eval.json keys a record keeps: what the bench summary reads, and what says how the eval ran
 EVAL_KEYS = ("vat_eval_version", "target", "target_info", "settings", "cost_model", "drafts", "benchmarks",
-             "benchmark_sources", "skipped", "quality_reference", "examples", "seconds")
+             "benchmark_sources", "skipped", "quality_reference", "seconds")  # no generated text: `examples` is a run artefact
 COLUMNS_KEY = "per_prompt_columns"  # {label: {budget: {benchmark: {count: [value per prompt] or nested columns}}}}
 SUMMARY_FILES = ("bench.json", "bench.md", "bench_config.yaml")
 CELL_FILES = ("cell.json", os.path.join("eval", "bench_settings.json"), os.path.join("train", "config.yaml"))
