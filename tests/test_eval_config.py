@@ -45,6 +45,8 @@ def test_unset_flags_take_the_eval_config_defaults():
     (("--tree-policy", "evicts"), "--tree-policy `evicts`: one of confidence, evict, ecospec"),
     (("--ngram-rule", "latest"), "--ngram-rule `latest`: one of vllm, recent"),
     (("--cost-model", "b200"), "known accelerators are h100, h200, a100, l40s"),
+    (("--draft-confidence", "1.5"), r"--draft-confidence must be in \(0, 1\], got 1.5"),
+    (("--draft-confidence", "0.4", "--tree", "2,3,6"), "--draft-confidence stops a chain: drop --tree"),
 ])
 def test_a_bad_choice_stops_in_one_line_before_anything_loads(flags, message):
     with pytest.raises(VatError, match=message):

@@ -8,6 +8,7 @@ import torch
 from helpers import make_eagle3_draft, olmoe_with_eagle3_drafts
 from tiny_models import cached_greedy_reference
 
+from vat.errors import VatError
 from vat.eval.engine import SpeculativeEngine
 from vat.eval.tree import DraftTree, TreeSpec, _Node, _select
 from vat.target.cache import crop_cache, new_cache, select_cache_positions, tree_attention_mask
@@ -126,6 +127,49 @@ def test_verification_head_threshold_stops_drafting(setup):
             gen = engine.generate(prompts[0])
             assert gen.token_ids == reference
             assert {r.drafted for r in gen.rounds} == {expect_drafted}
+
+
+def test_draft_confidence_stops_each_chain_after_its_first_unconfident_token(setup, monkeypatch):
+    """The rule as transformers' ConfidenceCriteria states it, applied to the full chain of every round: keep the
+    drafts up to and including the first whose draft probability is below the threshold. Lossless either way."""
+    import vat.eval.engine as engine_module
+
+    model, target, drafts, prompts = setup
+    real, kept = engine_module.draft_chain, []
+
+    def checked(state, head, steps, *, vh_threshold=None, confidence=None, generator=None):
+        full = real(state, head, steps, vh_threshold=vh_threshold, generator=generator)  # the draft's cache is restored
+        keep = next((i + 1 for i, p in enumerate(full.probs) if p < confidence), len(full.probs))
+        cut = real(state, head, steps, vh_threshold=vh_threshold, confidence=confidence, generator=generator)
+        assert cut.tokens.tolist() == full.tokens[:keep].tolist() and cut.probs == full.probs[:keep]
+        kept.append(keep)
+        return cut
+
+    def recording(state, head, steps, *, vh_threshold=None, confidence=None, generator=None):
+        chain = real(state, head, steps, vh_threshold=vh_threshold, generator=generator)
+        probs.extend(chain.probs)
+        return chain
+
+    for name, draft in drafts.items():
+        probs = []
+        monkeypatch.setattr(engine_module, "draft_chain", recording)
+        SpeculativeEngine(target, draft, steps=6, max_new_tokens=NEW_TOKENS).generate(prompts[0])
+        threshold = sorted(probs)[len(probs) // 2]  # the median drafted probability: some chains stop, some run on
+        monkeypatch.setattr(engine_module, "draft_chain", checked)
+        kept.clear()
+        gen = SpeculativeEngine(target, draft, steps=6, draft_confidence=threshold,
+                                max_new_tokens=NEW_TOKENS).generate(prompts[0])
+        assert gen.token_ids == cached_greedy_reference(model, prompts[0], NEW_TOKENS), name
+        assert [r.drafted for r in gen.rounds] == kept
+        assert min(kept) < 6 and len(set(kept)) > 1, (name, kept)  # the rule stopped chains at different depths
+
+
+def test_draft_confidence_is_refused_where_there_is_no_chain_to_stop(setup):
+    _, target, drafts, _ = setup
+    with pytest.raises(VatError, match="--draft-confidence"):
+        SpeculativeEngine(target, drafts["random"], tree=TreeSpec(2, 2, 4), draft_confidence=0.5)
+    with pytest.raises(VatError, match="--draft-confidence"):
+        SpeculativeEngine(target, None, draft_confidence=0.5)
 
 
 def test_cache_compaction_matches_full_forward(setup):

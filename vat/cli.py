@@ -283,6 +283,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    "experts per layer (--offload-policy); C must be one of --offload's sizes, which prices it")
     p.add_argument("--vh-threshold", type=float, help="stop drafting (truncate a DFlash block) when the "
                    "verification head predicts rejection")
+    p.add_argument("--draft-confidence", type=float, help="stop an EAGLE-3 chain after a drafted token the draft gives "
+                   "less than this probability; the token is verified (transformers' assistant_confidence_threshold)")
     p.add_argument("--tree-policy", action=_PolicyFlag, setting="tree_policy", help="which drafted tokens are verified, "
                    "one of {choices}: {registered}")
     p.add_argument("--ecospec-lambda", type=float, help="EcoSpec's trade-off: nats of draft log-probability one "

@@ -263,7 +263,7 @@ EVAL_VARIANT_DEFAULTS = {key: getattr(EVAL_DEFAULTS, key)
                          for key in ("tree", "tree_policy", "verify_cost", "evict_calibration", "policy",
                                      "vh_threshold", "cost_model", "offload", "offload_policy", "offload_link",
                                      "commitment", "acceptmoe_residency", "budget_rank", "ecospec_lambda",
-                                     "affinity")}
+                                     "affinity", "draft_confidence")}
 
 
 def method_eval(bench: Any, method: str | None) -> dict:

@@ -45,6 +45,7 @@ class BenchMethodEvalConfig:  # per-method eval overrides (null = the bench's ev
     policy: Optional[str] = None  # budget policy (vat eval --policy)
     budget_rank: Optional[str] = None  # scores ranking the budget set: weights | routing (vat eval --budget-rank)
     vh_threshold: Optional[float] = None  # stop drafting on the verification head's signal
+    draft_confidence: Optional[float] = None  # stop a chain after a token the draft gives less than this probability
     cost_model: Optional[str] = None  # roofline bytes model (h100 | h200 | a100 | l40s[@eta=η,latency_us=µs])
     commitment: Optional[str] = None  # AcceptMoE's p̂: an eval.json of the draft or a JSON list ({bench_dir}, {seed})
     acceptmoe_residency: Optional[int] = None  # AcceptMoE under offload: prune against a live cache of C experts
@@ -76,6 +77,7 @@ class BenchEvalConfig:
     policy: str = EVAL_DEFAULTS.policy  # budget policy
     budget_rank: str = EVAL_DEFAULTS.budget_rank  # scores ranking the budget set: weights | routing (an extension)
     vh_threshold: Optional[float] = EVAL_DEFAULTS.vh_threshold  # stop drafting on the verification head's signal
+    draft_confidence: Optional[float] = EVAL_DEFAULTS.draft_confidence  # a chain's confidence stop (vat eval)
     cost_model: Optional[str] = EVAL_DEFAULTS.cost_model  # roofline bytes model (h200, h200@eta=0.8,latency_us=10)
     offload: Optional[str] = EVAL_DEFAULTS.offload  # expert offloading: resident experts per layer, "8,16" (cost_model)
     offload_policy: str = EVAL_DEFAULTS.offload_policy  # lru | lfu: which resident expert a load evicts

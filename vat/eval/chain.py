@@ -55,6 +55,7 @@ def draft_chain(
     num_steps: int,
     *,
     vh_threshold: float | None = None,
+    confidence: float | None = None,
     generator: torch.Generator | None = None,
 ) -> ChainDraft:
     """Draft up to ``num_steps`` tokens, one draft step each, from the head; speculative entries are cropped after.
@@ -64,6 +65,8 @@ def draft_chain(
         head: the draft's output at the newest committed entry.
         num_steps: K.
         vh_threshold: stop before a token whose verification-head probability is below this (None = never).
+        confidence: stop after a token the draft gave less than this probability; that token is kept (transformers'
+            ``ConfidenceCriteria``, its ``assistant_confidence_threshold``; None = never).
         generator: randomness for sampled drafts (temperature > 0).
 
     Returns:
@@ -90,7 +93,7 @@ def draft_chain(
             vhs.append(1.0 / (1.0 + math.exp(-vh)))
         token = state.to_target_ids(draft_id)  # (1,)
         tokens.append(token)
-        if k == num_steps - 1:
+        if k == num_steps - 1 or (confidence is not None and chosen[-1] < confidence):
             break
         out = state.drafter.step(state.cache, token[None], hidden=hidden[None, None])
         hidden, logits = out.hidden[0, 0], out.logits[0, 0]

@@ -41,6 +41,8 @@ class EvalConfig:
     policy: str = DEFAULT_BUDGET_POLICY  # budget policy: one of vat.target.budget.POLICIES
     budget_rank: str = "weights"  # scores ranking the budget set: weights | routing (DeepSeek-V3's biased; extension)
     vh_threshold: Optional[float] = None  # stop drafting when the verification head's probability falls below
+    draft_confidence: Optional[float] = None  # stop a chain after a drafted token the draft gives less than this
+    # probability (the token is kept: transformers' assistant_confidence_threshold); None = never
     tree_policy: str = DEFAULT_TREE_POLICY  # how the drafts are chosen: a vat.eval.policies.registry name
     verify_cost: Optional[str] = None  # EVICT's verification-cost profile; None = profiled on the fly
     evict_calibration: Optional[int] = None  # EVICT's calibration prompts (a benchmark's dev split); 0 = raw estimates
@@ -128,9 +130,14 @@ def check_eval_config(cfg: EvalConfig) -> CheckedEval:
         raise VatError(f"--steps must be >= 1, got {cfg.steps}")
     if cfg.temperature < 0:
         raise VatError(f"--temperature must be >= 0, got {cfg.temperature}")
+    if cfg.draft_confidence is not None and not 0.0 < cfg.draft_confidence <= 1.0:
+        raise VatError(f"--draft-confidence must be in (0, 1], got {cfg.draft_confidence}")
     if cfg.ngram_rule not in RULES:
         raise VatError(f"--ngram-rule `{cfg.ngram_rule}`: one of {', '.join(RULES)}")
     tree = TreeSpec.parse(cfg.tree) if isinstance(cfg.tree, str) else cfg.tree
+    if cfg.draft_confidence is not None and tree is not None:
+        raise VatError("--draft-confidence stops a chain: drop --tree (a tree keeps its nodes by draft probability "
+                       "already)")
     budgets = parse_budgets(cfg.budgets) if isinstance(cfg.budgets, str) or cfg.budgets is None else list(cfg.budgets)
     check_eval_section("--", policy=cfg.policy, tree_policy=cfg.tree_policy, cost_model=cfg.cost_model,
                        budget_rank=cfg.budget_rank)

@@ -124,6 +124,8 @@ class SpeculativeEngine:
         policy: ``substitute`` or ``truncate``.
         vh_threshold: stop drafting where the verification head's acceptance probability falls below this (a DFlash
             block is truncated before that slot).
+        draft_confidence: an EAGLE-3 chain stops after a drafted token the draft gave less than this probability
+            (the token is verified; transformers' ``assistant_confidence_threshold``). None = draft all K.
         policies: the round hooks of this pass (:class:`vat.eval.policies.RoundPolicy`, applied in order): cut each
             drafted chain, DFlash block or tree before verification (EVICT: :class:`vat.eval.evict.Evict`; n-gram
             chains are never cut), choose the tree's nodes (EcoSpec: :class:`vat.eval.ecospec.EcoSpec`; at most one
@@ -146,6 +148,7 @@ class SpeculativeEngine:
         budget=None,
         policy: str = DEFAULT_BUDGET_POLICY,
         vh_threshold: float | None = None,
+        draft_confidence: float | None = None,
         policies: Sequence[RoundPolicy] = (),
         max_new_tokens: int = 256,
         eos_token_ids: Iterable[int] = (),
@@ -155,6 +158,9 @@ class SpeculativeEngine:
             raise VatError("n-gram and suffix drafts are chains of --steps tokens: drop --tree for them")
         if isinstance(drafter, DFlashDrafter) and tree is not None:
             raise VatError("a DFlash draft drafts one block per round: drop --tree for it")
+        if draft_confidence is not None and (tree is not None or not isinstance(drafter, Eagle3Drafter)):
+            raise VatError("--draft-confidence stops an EAGLE-3 chain: a tree, a DFlash block, a free draft or AR "
+                           "has no chain to stop")
         self.target = target
         self.drafter = drafter
         self.steps = steps
@@ -163,6 +169,7 @@ class SpeculativeEngine:
         self.policies = list(policies)
         self.budget = self._budget_spec(budget, policy)
         self.vh_threshold = vh_threshold
+        self.draft_confidence = draft_confidence
         self.max_new_tokens = max_new_tokens
         self.eos = {int(t) for t in eos_token_ids}
         self.record_experts = record_experts
@@ -275,7 +282,8 @@ class SpeculativeEngine:
             draft = draft_block(state, root, vh_threshold=self.vh_threshold, generator=generator)
             return self._cut_chain_round(cache, draft, root, generator)
         if self.mode == "chain":
-            draft = draft_chain(state, head, self.steps, vh_threshold=self.vh_threshold, generator=generator)
+            draft = draft_chain(state, head, self.steps, vh_threshold=self.vh_threshold,
+                                confidence=self.draft_confidence, generator=generator)
             return self._cut_chain_round(cache, draft, root, generator)
         if self.mode == "ngram":
             proposed = lookup.propose(self.steps)

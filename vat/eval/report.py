@@ -213,7 +213,8 @@ def render_report(result: dict, figures: dict[str, str] | None = None) -> str:
         f"- target: `{result['target']}` ({info['num_experts']} experts, top-{info['top_k']}, "
         f"{len(info['moe_layer_ids'])} MoE layers, {info['dtype']} on {info['device']})",
         f"- drafting: {drafting}; temperature {s['temperature']}; budgets {s['budgets']} (policy {s['policy']}); "
-        f"vh threshold {s['vh_threshold']}; tree policy {s.get('tree_policy', 'confidence')}",
+        f"vh threshold {s['vh_threshold']}; tree policy {s.get('tree_policy', 'confidence')}"
+        + (f"; draft confidence stop {s['draft_confidence']}" if s.get("draft_confidence") is not None else ""),
         f"- max new tokens {s['max_new_tokens']} per turn; limit {s['limit']} prompts per benchmark; batch size 1; "
         f"seed {s['seed']}; {result['seconds']:.0f} s in all",
         "- drafts: " + ", ".join(f"`{k}` ({_draft_origin(v, s['steps'])})" for k, v in result["drafts"].items()),

@@ -73,6 +73,7 @@ class DraftEntry:
     model: Any = None
     aux_layer_ids: list[int] | None = None
     vh_threshold: float | None = None
+    draft_confidence: float | None = None  # an EAGLE-3 chain's confidence stop
 
     @property
     def is_free(self) -> bool:
@@ -181,6 +182,18 @@ def _attach(drafts: list[DraftEntry], target, vh_threshold: float | None) -> Non
             d.vh_threshold = vh_threshold
 
 
+def _attach_confidence(drafts: list[DraftEntry], confidence: float | None) -> None:
+    """Give every EAGLE-3 draft the chain's confidence stop; a DFlash draft (one block per round) stops in one line."""
+    if confidence is None:
+        return
+    blocks = [d.label for d in drafts if d.is_block]
+    if blocks:
+        raise VatError(f"--draft-confidence stops an EAGLE-3 chain; {', '.join(blocks)} draft one DFlash block per "
+                       "round (truncate it with --vh-threshold)")
+    for d in drafts:
+        d.draft_confidence = confidence
+
+
 def _load_tokenizer(tokenizer: Any, target) -> Any:
     if tokenizer is not None and not isinstance(tokenizer, str):
         return tokenizer
@@ -244,7 +257,8 @@ def _engine(target, config: RunConfig, *, steps, tree, temperature, policy, max_
         hooks = [h for p in policies if (h := p.for_pass(config.draft, config.budget)) is not None]
     return SpeculativeEngine(
         target, drafter, steps=steps, tree=tree if eagle else None, temperature=temperature,
-        budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold, policies=hooks,
+        budget=config.budget, policy=policy, vh_threshold=config.draft.vh_threshold,
+        draft_confidence=config.draft.draft_confidence if eagle else None, policies=hooks,
         max_new_tokens=max_new_tokens, eos_token_ids=eos, record_experts=record_experts,
     )
 
@@ -381,6 +395,7 @@ def _set_up(target, drafts, settings: CheckedEval, *, tokenizer, autoregressive:
     if settings.offload is not None:  # C against the target's k and E, before anything decodes
         settings.offload.check(target_obj.num_experts, target_obj.top_k)
     _attach(eagle, target_obj, cfg.vh_threshold)
+    _attach_confidence(eagle, cfg.draft_confidence)
     tok = _load_tokenizer(tokenizer, target_obj)
     # the AR pass is the denominator of speedup_vs_ar; a caller that measures AR once elsewhere (vat bench) skips it
     # unless `none` is asked for by name
@@ -538,6 +553,7 @@ def _settings_record(run: _Run) -> dict:
         "cost_model": None if cfg.cost_model is None else run.cost.accelerator.name,
         "served_dtype": cfg.served_dtype if cfg.cost_model is not None else None,
         "reference_target": cfg.reference_target,
+        **({"draft_confidence": cfg.draft_confidence} if cfg.draft_confidence is not None else {}),
         "offload": None if s.offload is None else list(s.offload.capacities),
         "offload_policy": None if s.offload is None else s.offload.policy,
         "offload_link": None if s.offload is None else s.offload.link,
@@ -706,8 +722,11 @@ def _mode_record(d: DraftEntry, tree_spec: TreeSpec | None) -> dict:
     if d.is_block:
         return {"path": d.path, "mode": "block", "block_size": d.model.config.block_size,
                 "verification_head": d.model.verification_head is not None, "vh_threshold": d.vh_threshold}
-    return {"path": d.path, "mode": "tree" if tree_spec is not None else "chain",
-            "verification_head": d.model.verification_head is not None, "vh_threshold": d.vh_threshold}
+    record = {"path": d.path, "mode": "tree" if tree_spec is not None else "chain",
+              "verification_head": d.model.verification_head is not None, "vh_threshold": d.vh_threshold}
+    if d.draft_confidence is not None:  # recorded where set: records of runs without it stay as they were
+        record["draft_confidence"] = d.draft_confidence
+    return record
 
 
 def _unique(name: str, taken: list[str]) -> str:
