@@ -157,6 +157,7 @@ def _fold_worker(rank: int, world: int, init: str, batches: list, out: str) -> N
             rows, ids = aff.select(*step[rank])
             aff.fold(gather_rows(rows), gather_rows(ids))
         torch.save(aff.state_dict(), f"{out}.{rank}")
+        dist.barrier()  # no rank tears gloo down while its peer still works (an early exit can abort the other)
     finally:
         dist.destroy_process_group()
 
@@ -268,6 +269,7 @@ def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
             merged = plain.state_dict()
             torch.save({"reference": reference, "state": model_state, "optim": optim_state, "again": again,
                         "again_optim": again_optim, "merged": merged, "type": type(plain).__name__}, out)
+        dist.barrier()  # rank 1 waits for rank 0's merge and save before either tears gloo down
     finally:
         dist.destroy_process_group()
 
