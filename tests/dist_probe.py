@@ -16,6 +16,7 @@ import torch
 
 def run(grads_dir: str, overrides: list[str]) -> None:
     from vat.config import load_config
+    from vat.train.distributed import end_process_group
     from vat.train.trainer import Trainer
 
     os.makedirs(grads_dir, exist_ok=True)
@@ -44,6 +45,7 @@ def run(grads_dir: str, overrides: list[str]) -> None:
         trainer.run()
     finally:
         trainer.close()
+    end_process_group()  # as the CLI does after a command: no rank exits with gloo up while its peer still works
 
 
 if __name__ == "__main__":

@@ -189,6 +189,33 @@ def test_gathered_affinity_fold_equals_one_process_fold_with_real_gloo(tmp_path)
     assert float(one.token_counts.sum()) > 0
 
 
+def _ending_worker(rank: int, world: int, init: str, out: str) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from vat.train.distributed import end_process_group
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    if rank == 0:
+        time.sleep(1.5)  # rank 0 still works (as it does while it writes the final draft)
+    began = time.time()
+    end_process_group()
+    torch.save({"began": began, "ended": time.time(), "still_up": dist.is_initialized()}, f"{out}.{rank}")
+
+
+def test_end_process_group_holds_every_rank_until_the_last_is_done_then_tears_down(tmp_path):
+    """The CLI's teardown after a command: a rank that finishes first waits for its peer, then the group is gone on
+    both (a rank exiting with gloo up while its peer works can abort at interpreter exit)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ending_worker, args=(2, f"file://{tmp_path}/rdv", str(tmp_path / "end")), nprocs=2, join=True)
+    busy, early = (torch.load(f"{tmp_path / 'end'}.{rank}") for rank in (0, 1))
+    assert not busy["still_up"] and not early["still_up"]
+    assert early["ended"] >= busy["began"]  # rank 1 came back only once rank 0 had started tearing down
+    assert early["ended"] - early["began"] >= 1.0
+
+
 def test_resume_position_counts_global_batches():
     from vat.train.distributed import world_size_position
 

@@ -420,13 +420,27 @@ def apply_thread_policy(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+def _distributed_group_up() -> bool:
+    """Whether a torch.distributed default group exists (without importing torch when nothing has)."""
+    if "torch" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `vat` console script and `python -m vat`."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         apply_thread_policy(args.threads)
+        grouped_before = _distributed_group_up()
         result = args.func(args)
+        if not grouped_before and _distributed_group_up():  # the command brought the group up: it tears it down
+            from vat.train.distributed import end_process_group
+
+            end_process_group()
     except VatError as err:
         print(f"vat: error: {err}", file=sys.stderr)
         return 2

@@ -7,7 +7,9 @@
 * :func:`gather_rng_states` / :func:`pick_rng_state`: each rank's RNG state saved and restored;
 * :func:`full_state_dicts` / :func:`load_full_state_dicts`: model and optimizer state as full (unsharded) tensors on
   rank 0 under FSDP2, so a sharded run's checkpoint resumes at any world size; plain state dicts under DDP;
-* :func:`fsdp2_plugin`: accelerate's FSDP plugin for ``train.fsdp``.
+* :func:`fsdp2_plugin`: accelerate's FSDP plugin for ``train.fsdp``;
+* :func:`end_process_group`: every rank waits for the others, then tears the default group down (the CLI calls it
+  when the command that brought the group up has finished).
 
 Launch: ``accelerate launch [--num_processes N] -m vat train RECIPE`` (README "Multi-GPU and multi-node").
 """
@@ -34,6 +36,19 @@ from vat.errors import VatError
 def world() -> int:
     """Processes in the default group (1 when not distributed)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def end_process_group() -> None:
+    """Barrier, then ``destroy_process_group`` on every rank; nothing when not distributed.
+
+    Without it a rank that finishes first (every rank but 0 returns while rank 0 writes the final draft) exits with
+    gloo still up while its peer works, and the C++ teardown at interpreter exit can abort ("terminate called
+    without an active exception"), which torchrun reports as a failed run.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
