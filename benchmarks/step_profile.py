@@ -563,6 +563,21 @@ def in_anonymous_memory(load):
     return load_copied
 
 
+def target_loader_module():
+    """The module whose ``load_target`` the trainer's setup calls: ``vat.train.setup``, or ``vat.train.trainer`` in a
+    vat from before the setup had its own module (the script profiles any checkout, ``vat_root``); None if neither."""
+    import importlib
+
+    for name in ("vat.train.setup", "vat.train.trainer"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "load_target"):
+            return module
+    return None
+
+
 def run_cell(spec: dict) -> dict:
     """Worker: one cell (two training steps of the recipe on the stand-in); returns the measurements."""
     import torch
@@ -575,9 +590,10 @@ def run_cell(spec: dict) -> dict:
     expected = spec.get("vat_root")
     if expected and not os.path.abspath(vat.__file__).startswith(os.path.abspath(expected) + os.sep):
         raise SystemExit(f"imported vat from {vat.__file__}, expected under {expected}")
-    original = getattr(trainer_module, "load_target", None)
-    if original is not None:  # the trainer's own name for it: the setup then loads through the wrapper
-        trainer_module.load_target = in_anonymous_memory(original)
+    loader = target_loader_module()
+    original = getattr(loader, "load_target", None)
+    if original is not None:  # the setup's own name for it: the setup then loads through the wrapper
+        loader.load_target = in_anonymous_memory(original)
     trainer = profiled_trainer(trainer_module.Trainer)(load_config(spec["recipe"], spec["overrides"]))
     t0 = time.perf_counter()
     try:
@@ -588,7 +604,7 @@ def run_cell(spec: dict) -> dict:
         facts = trainer_facts(trainer)
     finally:
         if original is not None:
-            trainer_module.load_target = original
+            loader.load_target = original
         if hasattr(trainer, "target"):
             trainer.close()
     profile = trainer.profile

@@ -211,9 +211,10 @@ def test_one_cell_runs_two_steps_of_a_real_recipe_on_a_tiny_standin(tmp_path):
     assert cell["step_bytes"] == cell["peak_bytes"] - cell["before_bytes"]
     assert cell["vat_file"].startswith(os.path.join(REPO, "vat"))
     assert not os.path.exists(os.path.join(work, "final"))  # no final write
-    import vat.train.trainer as trainer_module
+    import vat.train.setup as setup_module
 
-    assert trainer_module.load_target is load_target  # the worker's wrapper is gone
+    assert sp.target_loader_module() is setup_module  # the module whose load_target the trainer's setup calls
+    assert setup_module.load_target is load_target  # the worker's wrapper is gone
 
 
 def test_fit_prediction_and_report_from_cells(tmp_path):
