@@ -110,6 +110,26 @@ def test_two_process_ddp_training_with_gloo(train_workspace, tmp_path):
     assert os.path.exists(out / "final" / "model.safetensors")
 
 
+def test_a_bad_setting_under_torchrun_is_one_error_line_per_rank_and_a_clean_exit(train_workspace, tmp_path):
+    """Both ranks stop on the same bad setting after the process group is up (a missing training file, found when the
+    setup reads the data): the run ends on the one `vat: error:` line with exit code 2; gloo is ended first, so no
+    rank aborts at exit."""
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("method: eagle3\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vat", "train", str(recipe),
+           *train_overrides(train_workspace, str(tmp_path / "bad")), f"data.train={tmp_path / 'missing'}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode != 0
+    # the first rank out prints its line and exits 2; torchrun then stops its peer (which may not get to print)
+    assert f"vat: error: prepared dataset not found: {tmp_path / 'missing'}" in done.stderr, done.stderr[:3000]
+    assert "failed (exitcode: 2)" in done.stderr, done.stderr[-3000:]
+    assert "SIGABRT" not in done.stderr and "terminate called" not in done.stderr, done.stderr[-3000:]
+
+
 def test_huge_verification_head_gradient_leaves_the_body_update_unchanged(train_workspace, tmp_path):
     """The VH is its own parameter group with its own clip: scaling its loss by 1e6 (detached, so the body's
     gradient is identical) must not change a single body weight, and both gradient norms are logged."""

@@ -429,24 +429,34 @@ def _distributed_group_up() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _end_group_brought_up(grouped_before: bool, wait: bool) -> None:
+    """The command brought a process group up (torchrun / accelerate launch): end it before the process exits. After
+    a failure, without the barrier: a peer may never reach it."""
+    if grouped_before or not _distributed_group_up():
+        return
+    from vat.train.distributed import end_process_group
+
+    end_process_group(wait=wait)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `vat` console script and `python -m vat`."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    grouped_before = True
     try:
         apply_thread_policy(args.threads)
         grouped_before = _distributed_group_up()
         result = args.func(args)
-        if not grouped_before and _distributed_group_up():  # the command brought the group up: it tears it down
-            from vat.train.distributed import end_process_group
-
-            end_process_group()
     except VatError as err:
         print(f"vat: error: {err}", file=sys.stderr)
+        _end_group_brought_up(grouped_before, wait=False)
         return 2
     except KeyboardInterrupt:
         print("vat: interrupted", file=sys.stderr)
+        _end_group_brought_up(grouped_before, wait=False)
         return 130
+    _end_group_brought_up(grouped_before, wait=True)
     return int(result or 0)
 
 

@@ -38,16 +38,18 @@ def world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def end_process_group() -> None:
-    """Barrier, then ``destroy_process_group`` on every rank; nothing when not distributed.
+def end_process_group(wait: bool = True) -> None:
+    """Barrier (``wait``), then ``destroy_process_group``; nothing when not distributed.
 
     Without it a rank that finishes first (every rank but 0 returns while rank 0 writes the final draft) exits with
     gloo still up while its peer works, and the C++ teardown at interpreter exit can abort ("terminate called
-    without an active exception"), which torchrun reports as a failed run.
+    without an active exception"), which torchrun reports as a failed run. ``wait=False`` after an error: the
+    teardown is local (gloo ends at once; a peer in a collective gets "connection closed" instead of a hang).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    dist.barrier()
+    if wait:
+        dist.barrier()
     dist.destroy_process_group()
 
 
