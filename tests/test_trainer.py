@@ -110,7 +110,7 @@ def test_two_process_ddp_training_with_gloo(train_workspace, tmp_path):
     assert os.path.exists(out / "final" / "model.safetensors")
 
 
-def test_a_bad_setting_under_torchrun_is_one_error_line_per_rank_and_a_clean_exit(train_workspace, tmp_path):
+def test_a_bad_setting_under_torchrun_ends_on_its_error_line_with_a_clean_exit(train_workspace, tmp_path):
     """Both ranks stop on the same bad setting after the process group is up (a missing training file, found when the
     setup reads the data): the run ends on the one `vat: error:` line with exit code 2; gloo is ended first, so no
     rank aborts at exit."""
