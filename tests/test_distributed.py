@@ -148,7 +148,7 @@ def _fold_worker(rank: int, world: int, init: str, batches: list, out: str) -> N
     import torch.distributed as dist
 
     from vat.affinity import OnlineAffinity
-    from vat.train.distributed import gather_rows
+    from vat.train.distributed import end_process_group, gather_rows
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -157,9 +157,9 @@ def _fold_worker(rank: int, world: int, init: str, batches: list, out: str) -> N
             rows, ids = aff.select(*step[rank])
             aff.fold(gather_rows(rows), gather_rows(ids))
         torch.save(aff.state_dict(), f"{out}.{rank}")
-        dist.barrier()  # no rank tears gloo down while its peer still works (an early exit can abort the other)
+        end_process_group()  # no rank tears gloo down while its peer still works (an early exit can abort the other)
     finally:
-        dist.destroy_process_group()
+        end_process_group(wait=False)  # after a failure (a no-op once ended)
 
 
 def test_gathered_affinity_fold_equals_one_process_fold_with_real_gloo(tmp_path):
@@ -256,7 +256,7 @@ def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
 
     from vat.config import LoraTrainConfig
     from vat.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from vat.train.distributed import full_state_dicts, load_full_state_dicts
+    from vat.train.distributed import end_process_group, full_state_dicts, load_full_state_dicts
     from vat.train.lora import apply_lora, merged_draft
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -296,9 +296,9 @@ def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
             merged = plain.state_dict()
             torch.save({"reference": reference, "state": model_state, "optim": optim_state, "again": again,
                         "again_optim": again_optim, "merged": merged, "type": type(plain).__name__}, out)
-        dist.barrier()  # rank 1 waits for rank 0's merge and save before either tears gloo down
+        end_process_group()  # rank 1 waits for rank 0's merge and save before either tears gloo down
     finally:
-        dist.destroy_process_group()
+        end_process_group(wait=False)  # after a failure (a no-op once ended)
 
 
 def test_fsdp2_full_state_dicts_gather_resume_and_merge_with_real_gloo(tmp_path):

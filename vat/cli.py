@@ -443,10 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `vat` console script and `python -m vat`."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    grouped_before = True
+    grouped_before = _distributed_group_up()
     try:
         apply_thread_policy(args.threads)
-        grouped_before = _distributed_group_up()
         result = args.func(args)
     except VatError as err:
         print(f"vat: error: {err}", file=sys.stderr)
